@@ -1,0 +1,399 @@
+"""The engine-facing facade: ``KVCR`` and ``KVCRBindings`` (contract sections 4 and 5).
+
+Every method validates its input on the calling (engine) thread, then either reads state the
+runtime publishes or enqueues a command, and returns in microseconds. The runtime runs in
+one thread of its own (``trio.run``); nothing here waits for it, except construction (until
+memory is registered) and ``close``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Callable, Optional
+
+import attrs
+import trio
+
+from kvcr.config import (
+    FrameworkControl,
+    KeyAdapter,
+    KVCRBackendConfigs,
+    KVCRConfig,
+    KVCRGuardConfig,
+    TelemetryStats,
+    validate_setup,
+)
+from kvcr.errors import KVCRServiceError
+from kvcr.logs import get_logger
+from kvcr.policy import G3LRUPolicy, KVCachePolicy, LRUPolicy
+from kvcr.runtime.memory import MemoryMap
+from kvcr.runtime.runtime import Callbacks, Runtime
+from kvcr.telemetry import Telemetry
+from kvcr.transport.base import Transport
+from kvcr.types import (
+    BlockKey,
+    CacheTier,
+    KVCRStartupError,
+    MemoryRef,
+    OpHandle,
+    OpResult,
+    PinRequestId,
+    PinResult,
+    QueryStatus,
+    ReleaseHandle,
+    ReleaseResult,
+)
+
+STARTUP_TIMEOUT_S = 60.0
+MISS = (QueryStatus.MISS, None)
+_POLICY_HOOKS = (
+    "decide_ingest",
+    "eviction_score",
+    "decide_eviction",
+    "on_ingest",
+    "on_remove",
+    "on_align_sequence",
+    "decide_recovery",
+)
+
+
+def _callable(name: str, value: object, required: bool) -> None:
+    if value is None and not required:
+        return
+    if not callable(value):
+        raise ValueError(f"KVCRBindings: {name} must be callable, got {type(value).__name__}")
+
+
+def _has_methods(name: str, value: object, methods: Sequence[str]) -> None:
+    if value is None:
+        return
+    missing = [m for m in methods if not callable(getattr(value, m, None))]
+    if missing:
+        raise ValueError(f"KVCRBindings: {name} lacks method(s) {missing}")
+
+
+@attrs.frozen
+class KVCRBindings:
+    """The engine's side of the contract: callbacks kvcr calls, on its runtime thread."""
+
+    request_pin: Callable[[list[BlockKey]], PinRequestId]
+    poll_pin_results: Callable[[], Iterable[tuple[PinRequestId, PinResult]]]
+    release_pin: Callable[[str], bool]
+    cancel_pin_request: Optional[Callable[[PinRequestId], None]] = None
+    framework_control: Optional[FrameworkControl] = None
+    key_adapter: Optional[KeyAdapter] = None
+    inventory_sink: Optional[Callable[..., None]] = None
+    capacity_needed_callback: Optional[Callable[[list[tuple[str, int]]], None]] = None
+    stats_factory: Optional[Callable[[], TelemetryStats]] = None
+    policy: Optional[KVCachePolicy] = None
+    on_resilience_event: Optional[Callable[[Exception], None]] = None
+
+    def __attrs_post_init__(self) -> None:
+        _callable("request_pin", self.request_pin, True)
+        _callable("poll_pin_results", self.poll_pin_results, True)
+        _callable("release_pin", self.release_pin, True)
+        for name in (
+            "cancel_pin_request",
+            "inventory_sink",
+            "capacity_needed_callback",
+            "stats_factory",
+            "on_resilience_event",
+        ):
+            _callable(name, getattr(self, name), False)
+        _has_methods("framework_control", self.framework_control, ("send", "recv"))
+        _has_methods("key_adapter", self.key_adapter, ("encode", "decode"))
+        _has_methods("policy", self.policy, _POLICY_HOOKS)
+
+
+class KVCR:
+    def __init__(
+        self,
+        config: KVCRConfig,
+        bindings: KVCRBindings,
+        backend_configs: KVCRBackendConfigs,
+        guard_config: Optional[KVCRGuardConfig] = None,
+    ) -> None:
+        self._setup(config, bindings, backend_configs, guard_config, self._nixl_factory)
+        self._start_thread()
+
+    # -- construction ----------------------------------------------------------------------
+
+    def _setup(
+        self,
+        config: KVCRConfig,
+        bindings: KVCRBindings,
+        backend_configs: KVCRBackendConfigs,
+        guard_config: Optional[KVCRGuardConfig],
+        transport_factory: Callable[[], Transport],
+    ) -> None:
+        self._closed = True  # until the runtime runs
+        validate_setup(config, backend_configs, guard_config)
+        if not isinstance(bindings, KVCRBindings):
+            raise ValueError(f"KVCR: bindings must be a KVCRBindings, got {type(bindings).__name__}")
+        if guard_config is not None:
+            raise KVCRServiceError(
+                "KVCR: guard_config: pools owned by the guard service are not available in "
+                "this build yet; pass backend_configs.local_dram instead"
+            )
+        if backend_configs.g3 is not None:
+            raise ValueError("KVCRBackendConfigs: g3: the G3 file tier is not available in this build yet")
+        self._config = config
+        self._bindings = bindings
+        self._backend_configs = backend_configs
+        policy = bindings.policy
+        if policy is None:
+            policy = G3LRUPolicy() if backend_configs.g3 is not None else LRUPolicy()
+        tiers = {CacheTier.LOCAL_G2} if backend_configs.local_dram is not None else set()
+        if backend_configs.g3 is not None:
+            tiers.add(CacheTier.G3)
+        required = frozenset(getattr(policy, "required_tiers", frozenset()))
+        if not required <= tiers:
+            missing = sorted(t.name for t in required - tiers)
+            raise ValueError(
+                f"KVCRBindings: policy {type(policy).__name__} requires tier(s) {missing}, "
+                "which this configuration does not have"
+            )
+        local = backend_configs.local_dram
+        pools = local.pools if local is not None else []
+        self._memory = MemoryMap(
+            config.nixl_agent_name,
+            config.pool_layouts,
+            pools,
+            backend_configs.framework_regions,
+        )
+        self._log = get_logger("kvcr", agent=config.nixl_agent_name)
+        # OpHandles must not repeat across restarts of the process: start from the clock.
+        self._op_ids = itertools.count(time.time_ns() // 1000)
+        self._open_ops: dict[int, set[BlockKey]] = {}
+        self._live_handles: set[int] = set()
+        fw_g1 = any(r.mem_type == "VRAM" for r in backend_configs.framework_regions)
+        self._runtime = Runtime(
+            config=config,
+            memory=self._memory,
+            has_pools=local is not None,
+            policy=policy,
+            source_tier=CacheTier.FW_G1 if fw_g1 else CacheTier.FW_G2,
+            callbacks=Callbacks(
+                bindings.inventory_sink, bindings.capacity_needed_callback, self._log
+            ),
+            transport_factory=transport_factory,
+            telemetry=Telemetry(
+                bindings.stats_factory if config.enable_telemetry else None,
+                lambda: self._runtime.gauges(),
+            ),
+            open_ops=self._open_ops,
+            live_handles=self._live_handles,
+            release_ids=itertools.count(time.time_ns() // 1000),
+            log=self._log,
+        )
+        self._view = self._runtime.index.view
+        self._outbox = self._runtime.outbox
+        self._inbox = self._runtime.inbox
+        self._close_lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+
+    def _nixl_factory(self) -> Transport:
+        from kvcr.transport.nixl import NixlTransport
+
+        return NixlTransport(
+            self._config.nixl_agent_name,
+            self._backend_configs.local_dram.backend
+            if self._backend_configs.local_dram is not None
+            else "UCX",
+        )
+
+    def _start_thread(self) -> None:
+        started = threading.Event()
+        failure: list[BaseException] = []
+
+        async def main() -> None:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self._runtime.serve)
+                started.set()
+
+        def run() -> None:
+            try:
+                trio.run(main)
+            except BaseException as exc:
+                failure.append(exc)
+            finally:
+                started.set()
+
+        self._thread = threading.Thread(
+            target=run, name=f"kvcr-{self._config.nixl_agent_name}", daemon=True
+        )
+        self._thread.start()
+        if not started.wait(STARTUP_TIMEOUT_S):
+            raise KVCRStartupError(
+                f"KVCR: runtime of agent {self._config.nixl_agent_name!r} did not start within "
+                f"{STARTUP_TIMEOUT_S:.0f} s and could not be stopped; keep its buffers alive"
+            )
+        if failure:
+            self._thread.join()
+            raise failure[0]
+        self._closed = False
+
+    @property
+    def config(self) -> KVCRConfig:
+        return self._config
+
+    # -- engine-facing calls ---------------------------------------------------------------
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise ValueError(f"{what}: this KVCR instance is closed")
+
+    def _keys(self, what: str, keys: object) -> list[BlockKey]:
+        if isinstance(keys, (bytes, str)) or not isinstance(keys, Sequence):
+            raise ValueError(f"{what}: keys must be a list of bytes keys, got {type(keys).__name__}")
+        out = list(keys)
+        for position, key in enumerate(out):
+            if not isinstance(key, bytes):
+                raise ValueError(
+                    f"{what}: key #{position} must be bytes, got {type(key).__name__}"
+                )
+        if len(set(out)) != len(out):
+            seen: set[bytes] = set()
+            position = next(i for i, k in enumerate(out) if k in seen or seen.add(k))
+            raise ValueError(f"{what}: key #{position} ({out[position]!r}) appears twice")
+        return out
+
+    def _resolve(self, what: str, blocks: object) -> dict[BlockKey, tuple[int, ...]]:
+        if not isinstance(blocks, Mapping):
+            raise ValueError(
+                f"{what}: blocks must be a mapping of key -> [MemoryRef, ...], got "
+                f"{type(blocks).__name__}"
+            )
+        resolved = {}
+        for position, (key, refs) in enumerate(blocks.items()):
+            if not isinstance(key, bytes):
+                raise ValueError(f"{what}: key #{position} must be bytes, got {type(key).__name__}")
+            resolved[key] = self._memory.resolve_key(what, position, key, refs)
+        return resolved
+
+    def _submit(self, command: tuple, keys: list[BlockKey]) -> OpHandle:
+        handle = next(self._op_ids)
+        self._open_ops[handle] = set(keys)
+        self._inbox.put((command[0], handle, keys, *command[1:]))
+        return handle
+
+    def submit_hint(self, hints: Any, request_id: Optional[str] = None) -> None:
+        raise NotImplementedError
+
+    def discard_hint(self, request_id: Optional[str]) -> None:
+        raise NotImplementedError
+
+    def query(
+        self, keys: Sequence[BlockKey], request_id: Optional[str] = None
+    ) -> list[tuple[QueryStatus, Optional[CacheTier]]]:
+        self._check_open("query")
+        view = self._view
+        return [view.get(key, MISS) for key in keys]
+
+    def align_sequence(self, ordered_keys: Sequence[BlockKey], use_current_time: bool = False) -> None:
+        self._check_open("align_sequence")
+        self._inbox.put(("align", list(ordered_keys), bool(use_current_time)))
+
+    def deposit(
+        self,
+        blocks: Mapping[BlockKey, list[MemoryRef]],
+        no_evict: bool = False,
+        hints: Optional[Mapping[str, Any]] = None,
+    ) -> OpHandle:
+        self._check_open("deposit")
+        sources = self._resolve("deposit", blocks)
+        return self._submit(("deposit", sources, bool(no_evict), hints), list(sources))
+
+    def fetch(
+        self,
+        keys: Sequence[BlockKey],
+        request_id: Optional[str] = None,
+        expected_layout: Optional[Sequence[tuple[str, int]]] = None,
+        hints: Optional[Mapping[str, Any]] = None,
+    ) -> OpHandle:
+        self._check_open("fetch")
+        key_list = self._keys("fetch", keys)
+        if expected_layout is not None and [tuple(x) for x in expected_layout] != [
+            tuple(x) for x in self._config.pool_layouts
+        ]:
+            raise ValueError(
+                f"fetch: expected_layout {list(expected_layout)} differs from this instance's "
+                f"pool_layouts {self._config.pool_layouts}"
+            )
+        return self._submit(("fetch",), key_list)
+
+    def deliver(
+        self, blocks: Mapping[BlockKey, list[MemoryRef]], request_id: Optional[str] = None
+    ) -> OpHandle:
+        self._check_open("deliver")
+        destinations = self._resolve("deliver", blocks)
+        refs = tuple(ref for key in destinations for ref in blocks[key])
+        return self._submit(("deliver", destinations, refs), list(destinations))
+
+    def release(self, handles: Iterable[ReleaseHandle]) -> list[ReleaseResult]:
+        self._check_open("release")
+        results: list[ReleaseResult] = []
+        accepted = []
+        for handle in handles:
+            try:
+                self._live_handles.remove(handle)
+            except (KeyError, TypeError):
+                results.append((handle, False))
+            else:
+                accepted.append(handle)
+                results.append((handle, True))
+        if accepted:
+            self._inbox.put(("release", accepted))
+        return results
+
+    def poll_completed(self) -> list[OpResult]:
+        events = self._outbox.events
+        while events:
+            self._deliver_event(events.popleft())
+        results = self._outbox.results
+        out = []
+        while results:
+            out.append(results.popleft())
+        return out
+
+    def _deliver_event(self, event: Exception) -> None:
+        callback = self._bindings.on_resilience_event
+        if callback is None:
+            self._log.warning("resilience_event", error=str(event), kind=type(event).__name__)
+            return
+        try:
+            callback(event)
+        except Exception as exc:
+            self._log.error("engine_callback_failed", callback="on_resilience_event", error=repr(exc))
+
+    def abort(self, op_handle: OpHandle, keys: Optional[Sequence[BlockKey]] = None) -> bool:
+        self._check_open("abort")
+        pending = self._open_ops.get(op_handle)
+        if not pending:
+            return False
+        key_list = None if keys is None else list(keys)
+        if key_list is not None and not any(k in pending for k in key_list):
+            return False
+        self._inbox.put(("abort", op_handle, key_list))
+        return True
+
+    def get_stats(self) -> Optional[TelemetryStats]:
+        return self._runtime.telemetry.snapshot()
+
+    def close(self) -> None:
+        with self._close_lock:
+            if self._closed or self._thread is None:
+                return
+            self._closed = True
+            self._inbox.put(("close",))
+            self._thread.join()
+            self._log.info("closed")
+
+    def __enter__(self) -> KVCR:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,331 @@
+"""Configuration values and the protocols an engine adapter implements (contract section 3).
+
+Each class validates itself at construction and raises ``ValueError`` naming the setting.
+Checks that span several objects (pools against layouts, G3 against local DRAM, guard
+against local DRAM) live in :func:`validate_setup`, which ``KVCR`` runs before it touches
+any memory.
+
+These are stdlib dataclasses rather than attrs classes on purpose: their signatures must
+show factory defaults the way the contract's adapters introspect them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Callable, Optional, Protocol, Union, runtime_checkable
+
+from kvcr.types import (
+    BlockKey,
+    InventoryEvent,
+    LocalDramRegions,
+    PoolBlockLayouts,
+    RegionDescriptor,
+)
+
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+MEM_TYPES = ("DRAM", "VRAM")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _require_positive_int(owner: str, name: str, value: object) -> None:
+    if not _is_int(value) or value <= 0:  # type: ignore[operator]
+        raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}")
+
+
+def _normalize_layouts(value: object) -> PoolBlockLayouts:
+    where = "KVCRConfig: pool_layouts"
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(f"{where} must be a non-empty list of (pool name, block size), got {value!r}")
+    layouts: PoolBlockLayouts = []
+    seen: set[str] = set()
+    for i, item in enumerate(value):
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise ValueError(f"{where}[{i}] must be a (pool name, block size) pair, got {item!r}")
+        name, size = item
+        if not isinstance(name, str) or ":" in name:
+            raise ValueError(f"{where}[{i}]: pool name must be a string without ':', got {name!r}")
+        if name in seen:
+            raise ValueError(f"{where}[{i}]: pool name {name!r} appears twice")
+        if not _is_int(size) or size <= 0:
+            raise ValueError(
+                f"{where}[{i}]: block size of pool {name!r} must be a positive int, got {size!r}"
+            )
+        seen.add(name)
+        layouts.append((name, size))
+    if "" in seen and len(layouts) > 1:
+        raise ValueError(f"{where}: the empty pool name is allowed only when it is the only pool")
+    return layouts
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCRConfig:
+    nixl_agent_name: str
+    pool_layouts: PoolBlockLayouts
+    enable_telemetry: bool = False
+    operation_timeout_ms: int = 1000
+    abandon_timeout_ms: int = 5000
+    capacity_low_watermark_percent: int = 0
+    nixl_listen_port: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.nixl_agent_name, str) or not self.nixl_agent_name:
+            raise ValueError(
+                f"KVCRConfig: nixl_agent_name must be a non-empty string, got {self.nixl_agent_name!r}"
+            )
+        object.__setattr__(self, "pool_layouts", _normalize_layouts(self.pool_layouts))
+        _require_positive_int("KVCRConfig", "operation_timeout_ms", self.operation_timeout_ms)
+        _require_positive_int("KVCRConfig", "abandon_timeout_ms", self.abandon_timeout_ms)
+        if self.abandon_timeout_ms < 2 * self.operation_timeout_ms:
+            raise ValueError(
+                "KVCRConfig: abandon_timeout_ms must be >= 2 * operation_timeout_ms, got "
+                f"{self.abandon_timeout_ms} < 2 * {self.operation_timeout_ms}"
+            )
+        watermark = self.capacity_low_watermark_percent
+        if not _is_int(watermark) or not 0 <= watermark < 100:
+            raise ValueError(
+                f"KVCRConfig: capacity_low_watermark_percent must be an int in [0, 100), got {watermark!r}"
+            )
+        port = self.nixl_listen_port
+        if port is not None and (not _is_int(port) or not 0 < port < 65536):
+            raise ValueError(
+                f"KVCRConfig: nixl_listen_port must be None or a port in [1, 65535], got {port!r}"
+            )
+        if not isinstance(self.enable_telemetry, bool):
+            raise ValueError(
+                f"KVCRConfig: enable_telemetry must be a bool, got {self.enable_telemetry!r}"
+            )
+
+    @property
+    def pool_names(self) -> list[str]:
+        return [name for name, _ in self.pool_layouts]
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalDramOptions:
+    pools: LocalDramRegions
+    backend: str = "UCX"
+
+    def __post_init__(self) -> None:
+        where = "LocalDramOptions: pools"
+        if not isinstance(self.pools, (list, tuple)) or not self.pools:
+            raise ValueError(f"{where} must be a non-empty list of (pool name, address, size)")
+        pools = []
+        for i, item in enumerate(self.pools):
+            if not isinstance(item, (list, tuple)) or len(item) != 3:
+                raise ValueError(f"{where}[{i}] must be (pool name, address, size), got {item!r}")
+            name, addr, size = item
+            if not isinstance(name, str):
+                raise ValueError(f"{where}[{i}]: pool name must be a string, got {name!r}")
+            if not _is_int(addr) or addr <= 0:
+                raise ValueError(f"{where}[{i}]: address of pool {name!r} must be a positive int")
+            if not _is_int(size) or size <= 0:
+                raise ValueError(f"{where}[{i}]: size of pool {name!r} must be a positive int")
+            pools.append((name, addr, size))
+        object.__setattr__(self, "pools", pools)
+        _require_backend("LocalDramOptions", self.backend)
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteFWDramOptions:
+    eager_ctrl_connect: bool = True
+    opportunistic_query: bool = False
+    metadata_retry_interval_ms: int = 100
+    backend: str = "UCX"
+
+    def __post_init__(self) -> None:
+        _require_positive_int(
+            "RemoteFWDramOptions", "metadata_retry_interval_ms", self.metadata_retry_interval_ms
+        )
+        _require_backend("RemoteFWDramOptions", self.backend)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class G3Options:
+    paths: tuple[Path, ...]
+    capacity_bytes_per_file: int
+    backend: str = "POSIX"
+    backend_options: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.paths, (str, Path)) or not self.paths:
+            raise ValueError("G3Options: paths must be a non-empty sequence of file paths")
+        paths = tuple(Path(p) for p in self.paths)
+        resolved = [p.expanduser().resolve() for p in paths]
+        for i, p in enumerate(resolved):
+            if p in resolved[:i]:
+                raise ValueError(f"G3Options: paths: {paths[i]} aliases another path ({p})")
+        object.__setattr__(self, "paths", paths)
+        _require_positive_int("G3Options", "capacity_bytes_per_file", self.capacity_bytes_per_file)
+        _require_backend("G3Options", self.backend)
+        opts = dict(self.backend_options)
+        for k, v in opts.items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                raise ValueError(
+                    f"G3Options: backend_options must map str to str, got {k!r}: {v!r}"
+                )
+        object.__setattr__(self, "backend_options", opts)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCRBackendConfigs:
+    framework_regions: list[RegionDescriptor] = dataclasses.field(default_factory=list)
+    local_dram: Optional[LocalDramOptions] = None
+    g3: Optional[G3Options] = None
+    remote_fw_dram: RemoteFWDramOptions = dataclasses.field(default_factory=RemoteFWDramOptions)
+
+    def __post_init__(self) -> None:
+        regions = list(self.framework_regions)
+        labels: set[str] = set()
+        for i, region in enumerate(regions):
+            where = f"KVCRBackendConfigs: framework_regions[{i}]"
+            if not isinstance(region, RegionDescriptor):
+                raise ValueError(f"{where} must be a RegionDescriptor, got {type(region).__name__}")
+            if region.label in labels:
+                raise ValueError(f"{where}: label {region.label!r} is not unique")
+            labels.add(region.label)
+            _validate_region(where, region)
+        object.__setattr__(self, "framework_regions", regions)
+
+
+def _validate_region(where: str, region: RegionDescriptor) -> None:
+    if region.mem_type not in MEM_TYPES:
+        raise ValueError(f"{where}: mem_type must be one of {MEM_TYPES}, got {region.mem_type!r}")
+    if not _is_int(region.addr) or region.addr <= 0:
+        raise ValueError(f"{where}: addr must be a positive int, got {region.addr!r}")
+    if not _is_int(region.size) or region.size <= 0:
+        raise ValueError(f"{where}: size must be a positive int, got {region.size!r}")
+    if not _is_int(region.count) or region.count <= 0:
+        raise ValueError(f"{where}: count must be a positive int, got {region.count!r}")
+    if not _is_int(region.stride) or (region.stride and region.stride < region.size):
+        raise ValueError(
+            f"{where}: stride must be 0 or >= size ({region.size}), got {region.stride!r}"
+        )
+    if not _is_int(region.device_Id) or region.device_Id < 0:
+        raise ValueError(f"{where}: device_Id must be a non-negative int")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCRGuardConfig:
+    kvcr_service_socket_path: str
+    guard_index: int
+    compatibility_digest: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kvcr_service_socket_path, (str, os.PathLike)) or not str(
+            self.kvcr_service_socket_path
+        ):
+            raise ValueError("KVCRGuardConfig: kvcr_service_socket_path must be a non-empty path")
+        if not _is_int(self.guard_index) or self.guard_index < 0:
+            raise ValueError(
+                f"KVCRGuardConfig: guard_index must be a non-negative int, got {self.guard_index!r}"
+            )
+        if not isinstance(self.compatibility_digest, str) or not self.compatibility_digest:
+            raise ValueError("KVCRGuardConfig: compatibility_digest must be a non-empty string")
+
+
+def _require_backend(owner: str, backend: object) -> None:
+    if not isinstance(backend, str) or not backend:
+        raise ValueError(f"{owner}: backend must be a NIXL backend name, got {backend!r}")
+
+
+def validate_setup(
+    config: KVCRConfig,
+    backend_configs: KVCRBackendConfigs,
+    guard_config: Optional[KVCRGuardConfig],
+) -> None:
+    """Checks that span several configuration objects."""
+    if not isinstance(config, KVCRConfig):
+        raise ValueError(f"KVCR: config must be a KVCRConfig, got {type(config).__name__}")
+    if not isinstance(backend_configs, KVCRBackendConfigs):
+        raise ValueError(
+            f"KVCR: backend_configs must be a KVCRBackendConfigs, got {type(backend_configs).__name__}"
+        )
+    if guard_config is not None and not isinstance(guard_config, KVCRGuardConfig):
+        raise ValueError(
+            f"KVCR: guard_config must be a KVCRGuardConfig, got {type(guard_config).__name__}"
+        )
+    local = backend_configs.local_dram
+    if guard_config is not None and local is not None:
+        raise ValueError(
+            "KVCR: guard_config and backend_configs.local_dram conflict: "
+            "with a guard service the pools come from the service"
+        )
+    if local is not None:
+        validate_pools_against_layouts(config.pool_layouts, local)
+    if backend_configs.g3 is not None:
+        if local is None and guard_config is None:
+            raise ValueError("KVCRBackendConfigs: g3 needs local DRAM (local_dram or a guard)")
+        validate_g3_layout(config.pool_layouts, backend_configs.g3)
+
+
+def validate_pools_against_layouts(layouts: PoolBlockLayouts, local: LocalDramOptions) -> None:
+    names = [name for name, _, _ in local.pools]
+    wanted = [name for name, _ in layouts]
+    if sorted(names) != sorted(wanted) or len(set(names)) != len(names):
+        raise ValueError(
+            f"LocalDramOptions: pools {names} must match pool_layouts {wanted} by name, once each"
+        )
+    sizes = dict(layouts)
+    for name, _addr, size in local.pools:
+        if size < sizes[name]:
+            raise ValueError(
+                f"LocalDramOptions: pool {name!r} has {size} bytes, less than one block "
+                f"({sizes[name]} bytes)"
+            )
+
+
+def validate_g3_layout(layouts: PoolBlockLayouts, g3: G3Options) -> None:
+    if len(layouts) != 1:
+        raise ValueError(f"G3Options: G3 needs exactly one pool, pool_layouts has {len(layouts)}")
+    name, block = layouts[0]
+    if block % PAGE_SIZE:
+        raise ValueError(
+            f"G3Options: block size of pool {name!r} ({block}) must be a multiple of the page size ({PAGE_SIZE})"
+        )
+    if g3.capacity_bytes_per_file % block:
+        raise ValueError(
+            f"G3Options: capacity_bytes_per_file ({g3.capacity_bytes_per_file}) must be a whole "
+            f"number of blocks of {block} bytes"
+        )
+
+
+@runtime_checkable
+class TelemetryStats(Protocol):
+    def increase_counter(
+        self, name: str, value: Union[int, float], labelvalues: tuple[str, ...] = ()
+    ) -> None: ...
+
+    def set_gauge(
+        self, name: str, value: Union[int, float], labelvalues: tuple[str, ...] = ()
+    ) -> None: ...
+
+    def observe_histogram(
+        self, name: str, value: Union[int, float], labelvalues: tuple[str, ...] = ()
+    ) -> None: ...
+
+    def reduce(self) -> dict: ...
+
+    def is_empty(self) -> bool: ...
+
+
+@runtime_checkable
+class FrameworkControl(Protocol):
+    def send(self, endpoint: str, message: bytes) -> bool: ...
+
+    def recv(self) -> list[bytes]: ...
+
+
+@runtime_checkable
+class KeyAdapter(Protocol):
+    def encode(self, framework_key: object) -> BlockKey: ...
+
+    def decode(self, key: BlockKey) -> Union[int, bytes]: ...
+
+
+InventorySink = Callable[[InventoryEvent], None]

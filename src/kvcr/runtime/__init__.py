@@ -1,0 +1,1 @@
+"""The runtime thread and everything it owns."""

@@ -1,0 +1,38 @@
+"""Run a KVCR instance's runtime inside the caller's trio loop instead of its own thread.
+
+For deterministic tests: with the fake transport and ``trio.testing.MockClock`` the
+deadline, abort and fault paths run instantly and the same way every time. The engine-facing
+methods behave exactly as in a threaded instance; only ``close`` is replaced by leaving the
+context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import trio
+
+from kvcr.api import KVCR, KVCRBindings
+from kvcr.config import KVCRBackendConfigs, KVCRConfig
+from kvcr.transport.base import Transport
+
+
+@asynccontextmanager
+async def kvcr_in_loop(
+    config: KVCRConfig,
+    bindings: KVCRBindings,
+    backend_configs: KVCRBackendConfigs,
+    transport_factory: Callable[[], Transport],
+) -> AsyncIterator[KVCR]:
+    kv = KVCR.__new__(KVCR)
+    kv._setup(config, bindings, backend_configs, None, transport_factory)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(kv._runtime.serve)
+        kv._closed = False
+        try:
+            yield kv
+        finally:
+            kv._closed = True
+            kv._inbox.put(("close",))
+            await kv._runtime.closed.wait()

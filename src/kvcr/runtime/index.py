@@ -1,0 +1,160 @@
+"""The block index of local G2: slots, records, claims and the eviction queue. Pure code.
+
+A key's record owns one slot in every pool. A record is ``FILLING`` while a transfer writes
+its slots and ``READY`` once committed. Memory rules kept here:
+
+- a slot returns to the free list only through :meth:`BlockIndex.remove` or
+  :meth:`SlotPool.release`, which callers invoke only when no transfer can touch it;
+- a block with claims (a transfer reading it, a fetch or ``no_evict`` release handle) is
+  never chosen for eviction.
+
+The eviction queue is a lazy min-heap of ``(score, seq, key, version)``: a record's score is
+taken from the policy whenever its metadata changes (and its ``version`` bumps), stale heap
+entries are skipped when popped, and the heap is rebuilt when stale entries dominate.
+
+``view`` is the published answer to ``query`` for local G2: engine threads read it
+without locks (single dict lookups are atomic in CPython); only the runtime writes it.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+from collections.abc import Callable, Iterator
+from typing import Optional
+
+import attrs
+
+from kvcr.types import BlockKey, CacheTier, QueryStatus
+
+HIT = (QueryStatus.HIT, CacheTier.LOCAL_G2)
+FETCHING = (QueryStatus.FETCHING, CacheTier.LOCAL_G2)
+
+
+class SlotPool:
+    """Free slots of one pool. Lowest-numbered slots are handed out first."""
+
+    def __init__(self, name: str, block_size: int, capacity: int) -> None:
+        self.name = name
+        self.block_size = block_size
+        self.capacity = capacity
+        self._free = list(range(capacity - 1, -1, -1))
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    @property
+    def used(self) -> int:
+        return self.capacity - len(self._free)
+
+    def take(self) -> int:
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+
+class BlockState(enum.Enum):
+    FILLING = "FILLING"
+    READY = "READY"
+
+
+@attrs.define(eq=False)
+class Block:
+    key: BlockKey
+    slots: tuple[int, ...]
+    state: BlockState = BlockState.FILLING
+    claims: int = 0
+    access_count: int = 0
+    last_access: Optional[float] = None
+    position: int = -1
+    version: int = 0
+    fill: object = None  # the runtime's fill tracker while FILLING
+
+
+class BlockIndex:
+    def __init__(self, pools: list[SlotPool]) -> None:
+        self.pools = pools
+        self.blocks: dict[BlockKey, Block] = {}
+        self.view: dict[BlockKey, tuple[QueryStatus, CacheTier]] = {}
+        self._heap: list[tuple[float, int, BlockKey, int]] = []
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def get(self, key: BlockKey) -> Optional[Block]:
+        return self.blocks.get(key)
+
+    @property
+    def free_keys(self) -> int:
+        """How many more keys fit without eviction (a key needs a slot in every pool)."""
+        return min(pool.free for pool in self.pools)
+
+    def add_filling(self, key: BlockKey, now: float) -> Block:
+        if key in self.blocks:
+            raise KeyError(f"block index: key {key!r} already has a record")
+        slots = tuple(pool.take() for pool in self.pools)
+        block = Block(key, slots, last_access=now)
+        self.blocks[key] = block
+        self.view[key] = FETCHING
+        return block
+
+    def commit(self, block: Block, score: float) -> None:
+        block.state = BlockState.READY
+        block.fill = None
+        self.view[block.key] = HIT
+        self.rescore(block, score)
+
+    def remove(self, block: Block) -> None:
+        """Forget the record and free its slots: only when no transfer touches them."""
+        del self.blocks[block.key]
+        self.view.pop(block.key, None)
+        block.version += 1
+        for pool, slot in zip(self.pools, block.slots):
+            pool.release(slot)
+
+    def touch(self, block: Block, now: float) -> None:
+        block.access_count += 1
+        block.last_access = now
+
+    def rescore(self, block: Block, score: float) -> None:
+        block.version += 1
+        heapq.heappush(self._heap, (score, next(self._seq), block.key, block.version))
+        if len(self._heap) > 2 * len(self.blocks) + 64:
+            self._compact()
+
+    def evictable(self, block: Block) -> bool:
+        return block.state is BlockState.READY and block.claims == 0
+
+    def victims(self, score: Callable[[Block], float]) -> Iterator[Block]:
+        """Evictable blocks, lowest score first. Blocks the caller does not remove are
+        requeued when the iteration ends."""
+        skipped: list[Block] = []
+        try:
+            while self._heap:
+                _, _, key, version = heapq.heappop(self._heap)
+                block = self.blocks.get(key)
+                if block is None or block.version != version:
+                    continue
+                if not self.evictable(block):
+                    skipped.append(block)
+                    continue
+                yield block
+                if self.blocks.get(key) is block:
+                    skipped.append(block)
+        finally:
+            for block in skipped:
+                if self.blocks.get(block.key) is block:
+                    self.rescore(block, score(block))
+
+    def _compact(self) -> None:
+        live = [
+            entry
+            for entry in self._heap
+            if (b := self.blocks.get(entry[2])) is not None and b.version == entry[3]
+        ]
+        heapq.heapify(live)
+        self._heap = live

@@ -1,0 +1,418 @@
+"""Local G2: deposit, deliver and fetch against KVCR-owned host-DRAM pools.
+
+Each operation is one task (started by the runtime under the operation's deadline) and
+moves all its blocks in one transfer. Keys shared between operations share work: a key
+being filled by one deposit is awaited by others (a deliver or fetch of it, or a second
+deposit), and if that fill fails or is aborted the waiting deposit fills it from its own
+source.
+
+Completion work runs in the transfer's ``on_terminal`` callback, not in the operation task:
+when the task has been cancelled (deadline, abort, close) the transfer may still be
+running, and its slots and claims must be held until it is not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Optional
+
+import attrs
+import trio
+
+from kvcr.policy import KVCachePolicy
+from kvcr.runtime.index import Block, BlockIndex, BlockState
+from kvcr.runtime.memory import MemoryMap
+from kvcr.runtime.ops import DROPPED, FAILED, SUCCESS, Operation, Outbox
+from kvcr.runtime.transfers import Transfers, Xfer
+from kvcr.transport.base import TransportError
+from kvcr.types import (
+    BlockKey,
+    BlockMeta,
+    CacheTier,
+    InventoryEvent,
+    OpEntryResult,
+    OpEntryStatus,
+    PlacementAction,
+    ReleaseHandle,
+)
+
+_G2 = frozenset({CacheTier.LOCAL_G2})
+_NONE: frozenset[CacheTier] = frozenset()
+
+
+@attrs.define(eq=False)
+class Fill:
+    """A key's slots being written; others may wait for the outcome."""
+
+    done: trio.Event = attrs.field(factory=trio.Event)
+    ok: bool = False
+
+
+class LocalG2:
+    def __init__(
+        self,
+        *,
+        memory: MemoryMap,
+        index: BlockIndex,
+        transfers: Transfers,
+        outbox: Outbox,
+        policy: KVCachePolicy,
+        watermark_percent: int,
+        live_handles: set[int],
+        release_ids: itertools.count,
+        source_tier: CacheTier,
+        callbacks: Any,
+        log: Any,
+    ) -> None:
+        self.memory = memory
+        self.index = index
+        self.transfers = transfers
+        self.outbox = outbox
+        self.policy = policy
+        self.live_handles = live_handles
+        self.release_ids = release_ids
+        self.source_tier = source_tier
+        self.callbacks = callbacks
+        self.log = log
+        self.handles: dict[int, BlockKey] = {}
+        self.watermark = [math.ceil(p.capacity * watermark_percent / 100) for p in index.pools]
+
+    # -- policy plumbing -------------------------------------------------------------------
+
+    def meta(self, block: Block, resident: Optional[frozenset[CacheTier]] = None) -> BlockMeta:
+        if resident is None:
+            resident = _G2 if block.state is BlockState.READY else _NONE
+        return BlockMeta(
+            block.key,
+            self.memory.bytes_per_key,
+            block.access_count,
+            block.last_access,
+            resident,
+            block.position,
+        )
+
+    def score(self, block: Block) -> float:
+        return self._policy("eviction_score", 0.0, self.meta(block), CacheTier.LOCAL_G2)
+
+    def _policy(self, hook: str, default: Any, *args: Any) -> Any:
+        try:
+            return getattr(self.policy, hook)(*args)
+        except Exception as exc:
+            self.log.error("policy_hook_failed", hook=hook, error=repr(exc))
+            return default
+
+    # -- claims and release handles ----------------------------------------------------------
+
+    def claim(self, block: Block, now: float) -> None:
+        block.claims += 1
+        self.index.touch(block, now)
+        self.index.rescore(block, self.score(block))
+
+    def unclaim(self, block: Block) -> None:
+        block.claims -= 1
+
+    def hold(self, block: Block) -> ReleaseHandle:
+        """A claim the engine drops with ``release``: the block stays resident until then."""
+        block.claims += 1
+        handle = ReleaseHandle(next(self.release_ids))
+        self.handles[handle] = block.key
+        self.live_handles.add(handle)
+        return handle
+
+    def release(self, handle: int) -> None:
+        key = self.handles.pop(handle, None)
+        block = self.index.get(key) if key is not None else None
+        if block is not None:
+            block.claims -= 1
+
+    # -- room ------------------------------------------------------------------------------
+
+    def reserve(self, wanted: int, what: str) -> int:
+        """Make room for up to ``wanted`` keys, evicting by policy score; returns how many
+        fit. Tells the engine (capacity_needed_callback) when policy cannot free enough
+        room for the request plus the low watermark."""
+        pools = self.index.pools
+        deficit = max(wanted + wm - p.free for p, wm in zip(pools, self.watermark))
+        if deficit > 0:
+            self.evict(deficit)
+        granted = min(wanted, self.index.free_keys)
+        short = [
+            (p.name, wanted + wm - p.free)
+            for p, wm in zip(pools, self.watermark)
+            if wanted + wm - p.free > 0
+        ]
+        if short:
+            self.log.info("capacity_needed", op=what, pools=short, granted=granted, wanted=wanted)
+            self.callbacks.capacity_needed(short)
+        return granted
+
+    def evict(self, count: int) -> int:
+        removed: list[BlockKey] = []
+        victims = self.index.victims(self.score)
+        with contextlib.closing(victims):
+            for block in victims:
+                if len(removed) >= count:
+                    break
+                meta = self.meta(block)
+                action, _tier = self._policy(
+                    "decide_eviction", (PlacementAction.DROP, None), meta, CacheTier.LOCAL_G2
+                )
+                if action is PlacementAction.KEEP:
+                    continue
+                self.index.remove(block)
+                self._policy("on_remove", None, self.meta(block, _NONE))
+                removed.append(block.key)
+        if removed:
+            self.callbacks.inventory(InventoryEvent(tuple(removed), CacheTier.LOCAL_G2, True))
+        return len(removed)
+
+    # -- waiting for fills in progress ---------------------------------------------------------
+
+    async def wait_fills(self, keys: Sequence[BlockKey]) -> None:
+        for key in keys:
+            block = self.index.get(key)
+            if block is not None and block.state is BlockState.FILLING:
+                await block.fill.done.wait()
+
+    # -- deposit ---------------------------------------------------------------------------
+
+    async def deposit(
+        self,
+        op: Operation,
+        sources: Mapping[BlockKey, tuple[int, ...]],
+        no_evict: bool,
+        hints: Optional[Mapping[str, Any]],
+    ) -> None:
+        todo = list(op.keys)
+        while todo:
+            waits = await self._deposit_round(op, todo, sources, no_evict, hints)
+            todo = []
+            for key, fill in waits:
+                await fill.done.wait()
+                if not op.live(key):
+                    continue
+                block = self.index.get(key)
+                if fill.ok and block is not None and block.state is BlockState.READY:
+                    self.outbox.answer(op, {key: self._stored(block, no_evict)})
+                else:
+                    todo.append(key)  # the fill we waited for failed: fill from our source
+
+    def _stored(self, block: Block, no_evict: bool) -> OpEntryResult:
+        if no_evict:
+            return OpEntryResult(OpEntryStatus.SUCCESS, release_handle=self.hold(block))
+        return SUCCESS
+
+    async def _deposit_round(
+        self,
+        op: Operation,
+        keys: Sequence[BlockKey],
+        sources: Mapping[BlockKey, tuple[int, ...]],
+        no_evict: bool,
+        hints: Optional[Mapping[str, Any]],
+    ) -> list[tuple[BlockKey, Fill]]:
+        now = trio.current_time()
+        answers: dict[BlockKey, OpEntryResult] = {}
+        waits: list[tuple[BlockKey, Fill]] = []
+        new: list[BlockKey] = []
+        for key in keys:
+            if not op.live(key):
+                continue
+            block = self.index.get(key)
+            if block is None:
+                meta = BlockMeta(key, self.memory.bytes_per_key, 0, None, _NONE)
+                action, _ = self._policy(
+                    "decide_ingest",
+                    (PlacementAction.COPY_TO, CacheTier.LOCAL_G2),
+                    meta,
+                    self.source_tier,
+                    False,
+                    hints,
+                    None,
+                )
+                if action is PlacementAction.DROP:
+                    answers[key] = DROPPED
+                else:
+                    new.append(key)
+            elif block.state is BlockState.READY:
+                self.index.touch(block, now)
+                self.index.rescore(block, self.score(block))
+                answers[key] = self._stored(block, no_evict)
+            else:
+                waits.append((key, block.fill))
+        granted = self.reserve(len(new), f"deposit op {op.handle}") if new else 0
+        for key in new[granted:]:
+            answers[key] = FAILED
+        if new[granted:]:
+            op.failure = (
+                f"deposit: no free slot for {len(new) - granted} of {len(new)} new keys "
+                f"(capacity {self.index.pools[0].capacity} blocks per pool, claimed or "
+                "no_evict blocks cannot be evicted)"
+            )
+        self.outbox.answer(op, answers)
+        blocks = [self.index.add_filling(key, now) for key in new[:granted]]
+        if blocks:
+            await self._fill(op, blocks, sources, no_evict)
+        return waits
+
+    async def _fill(
+        self,
+        op: Operation,
+        blocks: list[Block],
+        sources: Mapping[BlockKey, tuple[int, ...]],
+        no_evict: bool,
+    ) -> None:
+        dst: list[int] = []
+        src: list[int] = []
+        for block in blocks:
+            block.fill = Fill()
+            for pool, (slot, desc) in enumerate(zip(block.slots, sources[block.key])):
+                dst.append(self.memory.slot_desc(pool, slot))
+                src.append(desc)
+        nbytes = len(blocks) * self.memory.bytes_per_key
+        keys = frozenset(b.key for b in blocks)
+
+        def settle(xfer: Xfer) -> None:
+            self._settle_fill(op, blocks, xfer.ok, no_evict)
+            self.outbox.xfer_terminal(op, xfer)
+
+        try:
+            xfer = self.transfers.start(dst, src, f"deposit op {op.handle}", nbytes, settle)
+        except TransportError as exc:
+            op.failure = str(exc)
+            self._settle_fill(op, blocks, False, no_evict)
+            return
+        if not xfer.done.is_set():
+            op.xfers[xfer] = keys
+            await xfer.done.wait()
+
+    def _settle_fill(self, op: Operation, blocks: list[Block], ok: bool, no_evict: bool) -> None:
+        answers: dict[BlockKey, OpEntryResult] = {}
+        added: list[BlockKey] = []
+        for block in blocks:
+            fill = block.fill
+            if ok and op.live(block.key):
+                self.index.commit(block, self.score(block))
+                self._policy("on_ingest", None, self.meta(block), self.source_tier)
+                answers[block.key] = self._stored(block, no_evict)
+                added.append(block.key)
+                fill.ok = True
+            else:
+                # Failed, timed out or aborted: a late success never becomes a success,
+                # and the engine may already be reusing the source memory.
+                self.index.remove(block)
+                if op.live(block.key):
+                    answers[block.key] = FAILED
+            fill.done.set()
+        op.moved += len(added)
+        if added:
+            self.callbacks.inventory(InventoryEvent(tuple(added), CacheTier.LOCAL_G2, False))
+        if not ok:
+            op.failure = op.failure or "deposit: the transfer into local G2 failed"
+        self.outbox.answer(op, answers)
+
+    # -- deliver ---------------------------------------------------------------------------
+
+    async def deliver(self, op: Operation, destinations: Mapping[BlockKey, tuple[int, ...]]) -> None:
+        await self.wait_fills(op.keys)
+        now = trio.current_time()
+        answers: dict[BlockKey, OpEntryResult] = {}
+        claimed: list[Block] = []
+        dst: list[int] = []
+        src: list[int] = []
+        for key in op.keys:
+            if not op.live(key):
+                continue
+            block = self.index.get(key)
+            if block is None or block.state is not BlockState.READY:
+                answers[key] = FAILED
+                continue
+            self.claim(block, now)
+            claimed.append(block)
+            for pool, (slot, desc) in enumerate(zip(block.slots, destinations[key])):
+                dst.append(desc)
+                src.append(self.memory.slot_desc(pool, slot))
+        if answers:
+            op.failure = op.failure or f"deliver: {len(answers)} keys are not in local G2"
+        self.outbox.answer(op, answers)
+        if not claimed:
+            return
+
+        def settle(xfer: Xfer) -> None:
+            self._settle_deliver(op, claimed, xfer.ok)
+            self.outbox.xfer_terminal(op, xfer)
+
+        nbytes = len(claimed) * self.memory.bytes_per_key
+        try:
+            xfer = self.transfers.start(dst, src, f"deliver op {op.handle}", nbytes, settle)
+        except TransportError as exc:
+            op.failure = str(exc)
+            self._settle_deliver(op, claimed, False)
+            return
+        if not xfer.done.is_set():
+            op.xfers[xfer] = frozenset(b.key for b in claimed)
+            await xfer.done.wait()
+
+    def _settle_deliver(self, op: Operation, claimed: list[Block], ok: bool) -> None:
+        answers: dict[BlockKey, OpEntryResult] = {}
+        for block in claimed:
+            self.unclaim(block)
+            if op.live(block.key):
+                answers[block.key] = SUCCESS if ok else FAILED
+        if ok:
+            op.moved += len(answers)
+        else:
+            op.failure = op.failure or "deliver: the transfer from local G2 failed"
+        self.outbox.answer(op, answers)
+
+    # -- fetch -----------------------------------------------------------------------------
+
+    async def fetch(self, op: Operation) -> None:
+        await self.wait_fills(op.keys)
+        now = trio.current_time()
+        answers: dict[BlockKey, OpEntryResult] = {}
+        for key in op.keys:
+            if not op.live(key):
+                continue
+            block = self.index.get(key)
+            if block is None or block.state is not BlockState.READY:
+                answers[key] = FAILED
+                continue
+            self.index.touch(block, now)
+            self.index.rescore(block, self.score(block))
+            answers[key] = OpEntryResult(
+                OpEntryStatus.SUCCESS,
+                descriptors=[self.memory.slot_ref(p, s) for p, s in enumerate(block.slots)],
+                release_handle=self.hold(block),
+            )
+        if len(answers) != sum(1 for a in answers.values() if a.success):
+            op.failure = op.failure or "fetch: some keys are not in local G2"
+        self.outbox.answer(op, answers)
+
+    # -- alignment -------------------------------------------------------------------------
+
+    def align(self, keys: Sequence[BlockKey], use_current_time: bool, now: float) -> None:
+        placed = [
+            (position, b)
+            for position, k in enumerate(keys)
+            if (b := self.index.get(k)) is not None and b.state is BlockState.READY
+        ]
+        if not placed:
+            return
+        blocks = [b for _, b in placed]
+        if use_current_time:
+            anchor = now
+        else:
+            anchor = max(b.last_access for b in blocks if b.last_access is not None)
+        # Earlier positions of a prefix are worth more than later ones: they become the
+        # most recent, so a prefix is evicted from its tail.
+        for position, block in placed:
+            block.position = position
+            block.last_access = anchor - position * 1e-9
+            self.index.rescore(block, self.score(block))
+        self._policy("on_align_sequence", None, [self.meta(b) for b in blocks], use_current_time)
+
+
+CapacityCallback = Callable[[list[tuple[str, int]]], None]

@@ -1,0 +1,108 @@
+"""Where every descriptor lives: KVCR pool slots and engine region elements.
+
+The memory map is fixed at startup and never changes, so engine threads may read it while
+the runtime runs: ``resolve`` turns an engine ``MemoryRef`` into a global descriptor index
+on the calling thread, and a bad ref is rejected before anything is enqueued.
+
+Descriptor numbering: pools first, in ``pool_layouts`` order (slot ``s`` of pool ``p`` is
+``pool_base[p] + s``), then framework regions in their configured order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvcr.transport.base import Segment
+from kvcr.types import MemoryRef, PoolBlockLayouts, RegionDescriptor
+
+
+class MemoryMap:
+    def __init__(
+        self,
+        agent_name: str,
+        pool_layouts: PoolBlockLayouts,
+        pools: Sequence[tuple[str, int, int]],
+        framework_regions: Sequence[RegionDescriptor],
+    ) -> None:
+        self.agent_name = agent_name
+        self.pool_names = [name for name, _ in pool_layouts]
+        self.block_sizes = [size for _, size in pool_layouts]
+        by_name = {name: (addr, size) for name, addr, size in pools}
+        self.segments: list[Segment] = []
+        self.pool_base: list[int] = []
+        self.pool_slots: list[int] = []
+        base = 0
+        for name, block in pool_layouts:
+            addr, size = by_name[name]
+            slots = size // block
+            self.segments.append(Segment(f"pool:{name}", addr, block, slots))
+            self.pool_base.append(base)
+            self.pool_slots.append(slots)
+            base += slots
+        self.regions: dict[str, tuple[RegionDescriptor, int]] = {}
+        for region in framework_regions:
+            self.segments.append(
+                Segment(f"region:{region.label}", region.addr, region.size, region.count, region.stride)
+            )
+            self.regions[region.label] = (region, base)
+            base += region.count
+        self.descriptor_count = base
+        self.region_mem_types = {r.mem_type for r in framework_regions}
+
+    @property
+    def bytes_per_key(self) -> int:
+        return sum(self.block_sizes)
+
+    def slot_desc(self, pool: int, slot: int) -> int:
+        return self.pool_base[pool] + slot
+
+    def slot_ref(self, pool: int, slot: int) -> MemoryRef:
+        return MemoryRef(
+            end_point_name=self.agent_name, label=self.pool_names[pool], element_index=slot
+        )
+
+    def resolve_key(self, what: str, position: int, key: object, refs: object) -> tuple[int, ...]:
+        """Descriptor indices of a key's engine refs, one per pool, or ValueError naming the
+        key's position, the ref, the region and the limit."""
+        if not isinstance(refs, (list, tuple)):
+            raise ValueError(
+                f"{what}: key #{position} ({key!r}): refs must be a list of MemoryRef, "
+                f"got {type(refs).__name__}"
+            )
+        if len(refs) != len(self.block_sizes):
+            raise ValueError(
+                f"{what}: key #{position} ({key!r}) has {len(refs)} refs, the pool layout "
+                f"{self.pool_names} needs one per pool ({len(self.block_sizes)})"
+            )
+        return tuple(
+            self._resolve_ref(what, position, pool, ref) for pool, ref in enumerate(refs)
+        )
+
+    def _resolve_ref(self, what: str, position: int, pool: int, ref: object) -> int:
+        where = f"{what}: key #{position} ref {pool}"
+        if not isinstance(ref, MemoryRef):
+            raise ValueError(f"{where} must be a MemoryRef, got {type(ref).__name__}")
+        if ref.end_point_name != self.agent_name:
+            raise ValueError(
+                f"{where}: agent {ref.end_point_name!r} is not this instance's agent "
+                f"{self.agent_name!r}"
+            )
+        entry = self.regions.get(ref.label)
+        if entry is None:
+            raise ValueError(
+                f"{where}: region {ref.label!r} is not a registered framework region "
+                f"(labels: {sorted(self.regions)})"
+            )
+        region, base = entry
+        index = ref.element_index
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < region.count:
+            raise ValueError(
+                f"{where}: element_index {index!r} is out of range for region {ref.label!r} "
+                f"(count {region.count})"
+            )
+        if region.size != self.block_sizes[pool]:
+            raise ValueError(
+                f"{where}: region {ref.label!r} has {region.size}-byte elements, pool "
+                f"{self.pool_names[pool]!r} has {self.block_sizes[pool]}-byte blocks"
+            )
+        return base + index

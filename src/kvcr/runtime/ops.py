@@ -1,0 +1,116 @@
+"""Operations: their entries, their deadlines, and how results leave the runtime.
+
+An operation answers every key exactly once. ``pending`` is the set of keys not answered
+yet; the facade holds the same set object (it was created on the engine thread at submit
+time) and reads it, without a lock, to answer ``abort`` at once. Only the runtime removes
+keys from it, and only through :meth:`Outbox.answer`.
+
+Memory that a failed operation's transfer may still touch is reported through
+``TransferError``: ``uncertain`` (emitted before the ``FAILED`` entries it explains, so the
+engine learns of it first) and ``quiesced`` once every transfer of the operation is terminal.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from typing import Optional
+
+import attrs
+import trio
+
+from kvcr.runtime.transfers import Xfer
+from kvcr.types import BlockKey, MemoryRef, OpEntryResult, OpEntryStatus, OpResult, TransferError
+
+FAILED = OpEntryResult(OpEntryStatus.FAILED)
+DROPPED = OpEntryResult(OpEntryStatus.DROPPED)
+SUCCESS = OpEntryResult(OpEntryStatus.SUCCESS)
+
+
+@attrs.define(eq=False)
+class Operation:
+    handle: int
+    kind: str  # "deposit" | "fetch" | "deliver"
+    keys: list[BlockKey]
+    pending: set[BlockKey]
+    started: float
+    deadline: float
+    abandon_at: float
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    aborted: set[BlockKey] = attrs.field(factory=set)
+    xfers: dict[Xfer, frozenset[BlockKey]] = attrs.field(factory=dict)  # in flight -> keys
+    # Framework memory the operation's transfers touch, reported if it fails mid-flight.
+    framework_sources: tuple[BlockKey, ...] = ()
+    framework_destinations: tuple[MemoryRef, ...] = ()
+    uncertain: bool = False
+    moved: int = 0  # keys whose bytes were transferred
+    succeeded: int = 0
+    failure: Optional[str] = None
+
+    def live(self, key: BlockKey) -> bool:
+        """Still waiting for an answer, and not withdrawn by abort."""
+        return key in self.pending and key not in self.aborted
+
+
+class Outbox:
+    """Results and resilience events on their way to the engine thread (``poll_completed``)."""
+
+    def __init__(self, open_ops: dict[int, set[BlockKey]]) -> None:
+        self.results: deque[OpResult] = deque()
+        self.events: deque[Exception] = deque()
+        self._open_ops = open_ops
+
+    def pending_set(self, handle: int) -> set[BlockKey]:
+        """The pending set the facade created when the operation was submitted."""
+        return self._open_ops.get(handle, set())
+
+    def answer_empty(self, handle: int) -> None:
+        self._open_ops.pop(handle, None)
+        self.results.append((handle, {}))
+
+    def answer(self, op: Operation, entries: Mapping[BlockKey, OpEntryResult]) -> None:
+        fresh = {k: v for k, v in entries.items() if k in op.pending}
+        if not fresh:
+            return
+        op.succeeded += sum(1 for v in fresh.values() if v.success)
+        failed = [k for k, v in fresh.items() if v.status is OpEntryStatus.FAILED]
+        if failed and any(not keys.isdisjoint(failed) for keys in op.xfers.values()):
+            self._report_uncertain(op)
+        for key in fresh:
+            op.pending.discard(key)
+        self.results.append((op.handle, fresh))
+        if not op.pending:
+            self._open_ops.pop(op.handle, None)
+
+    def fail_pending(self, op: Operation, reason: str) -> None:
+        op.failure = op.failure or reason
+        self.answer(op, dict.fromkeys(list(op.pending), FAILED))
+
+    def xfer_terminal(self, op: Operation, xfer: Xfer) -> None:
+        op.xfers.pop(xfer, None)
+        if op.uncertain and not op.xfers:
+            self.events.append(self._transfer_error(op, "quiesced"))
+
+    def _report_uncertain(self, op: Operation) -> None:
+        touches_framework = op.framework_sources or op.framework_destinations
+        if op.uncertain or not touches_framework:
+            return
+        op.uncertain = True
+        self.events.append(self._transfer_error(op, "uncertain"))
+
+    @staticmethod
+    def _transfer_error(op: Operation, state: str) -> TransferError:
+        verb = "may still touch" if state == "uncertain" else "no longer touches"
+        message = (
+            f"{op.kind} op {op.handle}: {op.failure or 'failed'}; a transfer {verb} "
+            "framework memory"
+        )
+        return TransferError(
+            message,
+            op.handle,
+            state=state,
+            source_blocks=op.framework_sources or None,
+            source_owners=("framework",) if op.framework_sources else None,
+            destination_regions=op.framework_destinations or None,
+            destination_owner="framework" if op.framework_destinations else None,
+        )

@@ -1,0 +1,295 @@
+"""The runtime: one trio task tree that owns all mutable state of a KVCR instance.
+
+Engine threads never touch this state. They enqueue commands into the inbox and read what
+the runtime publishes (the query view, the outbox, the set of live release handles).
+
+Task tree::
+
+    serve
+    ├── transfers.run              polls in-flight transfers, idle when none
+    └── ops nursery                one task per operation, each under its deadline
+        └── abandonment watchers   log transfers still running past abandon_timeout_ms
+
+Shutdown cancels the operations (their pending entries fail with "closed"), then waits up to
+``abandon_timeout_ms`` for in-flight transfers to end. Only then is the transport closed
+and memory deregistered; if a transfer never ends, the transport is deliberately leaked,
+never freed under a live transfer.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any, Optional
+
+import attrs
+import trio
+
+from kvcr.config import KVCRConfig
+from kvcr.policy import KVCachePolicy
+from kvcr.runtime.inbox import Inbox
+from kvcr.runtime.index import BlockIndex, SlotPool
+from kvcr.runtime.local import LocalG2
+from kvcr.runtime.memory import MemoryMap
+from kvcr.runtime.ops import FAILED, Operation, Outbox
+from kvcr.runtime.transfers import Transfers
+from kvcr.telemetry import SCOPE_LOCAL_DELIVER, SCOPE_LOCAL_FETCH, SCOPE_LOCAL_FILL, Telemetry
+from kvcr.transport.base import Transport
+from kvcr.types import BlockKey, CacheTier, InventoryEvent
+
+SCOPES = {"deposit": SCOPE_LOCAL_FILL, "deliver": SCOPE_LOCAL_DELIVER, "fetch": SCOPE_LOCAL_FETCH}
+
+# Transports whose transfers never ended: kept referenced so their memory registrations
+# and agents are never torn down under a transfer that might still run.
+_LEAKED: list[object] = []
+
+
+@attrs.frozen
+class Callbacks:
+    """Engine callbacks, called on the runtime thread; a raising callback is logged."""
+
+    inventory_sink: Optional[Callable[[InventoryEvent], None]]
+    capacity_needed_callback: Optional[Callable[[list[tuple[str, int]]], None]]
+    log: Any
+
+    def inventory(self, event: InventoryEvent) -> None:
+        if self.inventory_sink is not None:
+            self._call("inventory_sink", self.inventory_sink, event)
+
+    def capacity_needed(self, pools: list[tuple[str, int]]) -> None:
+        if self.capacity_needed_callback is not None:
+            self._call("capacity_needed_callback", self.capacity_needed_callback, pools)
+
+    def _call(self, name: str, fn: Callable[..., object], *args: object) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:
+            self.log.error("engine_callback_failed", callback=name, error=repr(exc))
+
+
+class Runtime:
+    def __init__(
+        self,
+        *,
+        config: KVCRConfig,
+        memory: MemoryMap,
+        has_pools: bool,
+        policy: KVCachePolicy,
+        source_tier: CacheTier,
+        callbacks: Callbacks,
+        transport_factory: Callable[[], Transport],
+        telemetry: Telemetry,
+        open_ops: dict[int, set[BlockKey]],
+        live_handles: set[int],
+        release_ids: itertools.count,
+        log: Any,
+    ) -> None:
+        self.config = config
+        self.memory = memory
+        self.has_pools = has_pools
+        self.policy = policy
+        self.source_tier = source_tier
+        self.callbacks = callbacks
+        self.telemetry = telemetry
+        self.log = log
+        self.inbox = Inbox()
+        self.outbox = Outbox(open_ops)
+        self.live_handles = live_handles
+        self.release_ids = release_ids
+        pools = [
+            SlotPool(name, block, slots)
+            for name, block, slots in zip(memory.pool_names, memory.block_sizes, memory.pool_slots)
+        ]
+        self.index = BlockIndex(pools)
+        self._transport_factory = transport_factory
+        self.transport: Optional[Transport] = None
+        self.transfers: Optional[Transfers] = None
+        self.local: Optional[LocalG2] = None
+        self.ops: dict[int, Operation] = {}
+        self._ops_nursery: Optional[trio.Nursery] = None
+        self.closed = trio.Event()
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        transport = self.transport = self._transport_factory()
+        leaked = False
+        try:
+            transport.open_local(self.memory.segments)
+            self.transfers = Transfers(transport, self.log)
+            if self.has_pools:
+                self.local = LocalG2(
+                    memory=self.memory,
+                    index=self.index,
+                    transfers=self.transfers,
+                    outbox=self.outbox,
+                    policy=self.policy,
+                    watermark_percent=self.config.capacity_low_watermark_percent,
+                    live_handles=self.live_handles,
+                    release_ids=self.release_ids,
+                    source_tier=self.source_tier,
+                    callbacks=self.callbacks,
+                    log=self.log,
+                )
+            async with trio.open_nursery() as root:
+                root.start_soon(self.transfers.run)
+                async with trio.open_nursery() as ops:
+                    self._ops_nursery = ops
+                    task_status.started()
+                    self.log.info("runtime_started", pools=self.memory.pool_names)
+                    await self._pump()
+                    ops.cancel_scope.cancel()
+                leaked = not await self._quiesce()
+                root.cancel_scope.cancel()
+        finally:
+            self.inbox.close()
+            if leaked:
+                _LEAKED.append(transport)
+                self.log.error(
+                    "transport_leaked",
+                    reason="transfers still in flight at close; memory stays registered",
+                )
+            else:
+                transport.close()
+            self.closed.set()
+
+    async def _quiesce(self) -> bool:
+        assert self.transfers is not None
+        with trio.move_on_after(self.config.abandon_timeout_ms / 1000):
+            await self.transfers.wait_idle()
+        return self.transfers.in_flight == 0
+
+    async def _pump(self) -> None:
+        while True:
+            for command in await self.inbox.get_batch():
+                if command[0] == "close":
+                    return
+                try:
+                    self._dispatch(command)
+                except Exception as exc:  # a bug must not take the whole instance down
+                    self.log.exception("command_failed", command=command[0], error=repr(exc))
+
+    # -- commands ------------------------------------------------------------------------
+
+    def _dispatch(self, command: tuple) -> None:
+        name = command[0]
+        if name in ("deposit", "deliver", "fetch"):
+            self._start_op(name, *command[1:])
+        elif name == "release":
+            if self.local is not None:
+                for handle in command[1]:
+                    self.local.release(handle)
+        elif name == "abort":
+            self._abort(command[1], command[2])
+        elif name == "align":
+            if self.local is not None:
+                self.local.align(command[1], command[2], trio.current_time())
+        else:
+            raise ValueError(f"runtime: unknown command {name!r}")
+
+    def _start_op(self, kind: str, handle: int, keys: list[BlockKey], *args: Any) -> None:
+        now = trio.current_time()
+        pending = self.outbox.pending_set(handle)
+        if not keys:
+            self.outbox.answer_empty(handle)
+            return
+        op = Operation(
+            handle=handle,
+            kind=kind,
+            keys=keys,
+            pending=pending,
+            started=now,
+            deadline=now + self.config.operation_timeout_ms / 1000,
+            abandon_at=now + self.config.abandon_timeout_ms / 1000,
+        )
+        if self.local is None:
+            op.failure = f"{kind}: this instance has no local DRAM pools"
+            self.outbox.fail_pending(op, op.failure)
+            return
+        if kind == "deposit":
+            sources, no_evict, hints = args
+            op.framework_sources = tuple(keys)
+            body = self.local.deposit(op, sources, no_evict, hints)
+        elif kind == "deliver":
+            destinations, refs = args
+            op.framework_destinations = refs
+            body = self.local.deliver(op, destinations)
+        else:
+            body = self.local.fetch(op)
+        assert self._ops_nursery is not None
+        self.ops[handle] = op
+        self._ops_nursery.start_soon(self._run_op, op, body)
+
+    async def _run_op(self, op: Operation, body: Any) -> None:
+        timed_out = False
+        try:
+            op.scope.deadline = op.deadline
+            with op.scope:
+                await body
+            timed_out = op.scope.cancelled_caught and op.deadline <= trio.current_time()
+        finally:
+            reason = "closed" if not timed_out else None
+            if timed_out:
+                reason = f"{op.kind}: timed out after {self.config.operation_timeout_ms} ms"
+            self.outbox.fail_pending(op, op.failure or reason or f"{op.kind}: failed")
+            self.ops.pop(op.handle, None)
+            self._record(op)
+            if op.xfers and self._ops_nursery is not None and not self.closed.is_set():
+                self._ops_nursery.start_soon(self._watch_abandoned, op)
+
+    def _record(self, op: Operation) -> None:
+        moved = op.moved
+        self.telemetry.operation(
+            SCOPES[op.kind],
+            trio.current_time() - op.started,
+            op.succeeded,
+            len(op.keys),
+            moved * len(self.memory.block_sizes),
+            moved * self.memory.bytes_per_key,
+        )
+        if op.failure and op.succeeded < len(op.keys):
+            self.log.info(
+                "op_failed",
+                op=op.handle,
+                kind=op.kind,
+                failed=len(op.keys) - op.succeeded,
+                reason=op.failure,
+            )
+
+    async def _watch_abandoned(self, op: Operation) -> None:
+        with trio.move_on_at(op.abandon_at):
+            while op.xfers:
+                await next(iter(op.xfers)).done.wait()
+            return
+        self.log.warning(
+            "transfer_abandoned",
+            op=op.handle,
+            kind=op.kind,
+            transfers=len(op.xfers),
+            reason="still in flight past abandon_timeout_ms; its memory stays held",
+        )
+
+    def _abort(self, handle: int, keys: Optional[list[BlockKey]]) -> None:
+        op = self.ops.get(handle)
+        if op is None:
+            return
+        targets = list(op.pending) if keys is None else [k for k in keys if k in op.pending]
+        if not targets:
+            return
+        op.failure = op.failure or f"{op.kind}: aborted"
+        self.outbox.answer(op, dict.fromkeys(targets, FAILED))
+        if not op.pending:
+            op.scope.cancel()
+
+    # -- published state -----------------------------------------------------------------
+
+    def gauges(self) -> dict[str, float]:
+        pools = self.index.pools
+        return {
+            "local_g2_capacity_bytes": sum(p.capacity * p.block_size for p in pools),
+            "local_g2_used_bytes": sum(p.used * p.block_size for p in pools),
+            "local_g2_blocks": len(self.index),
+            "ops_in_flight": len(self.ops),
+            "transfers_in_flight": self.transfers.in_flight if self.transfers else 0,
+            "release_handles": len(self.live_handles),
+        }

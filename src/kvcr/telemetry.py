@@ -1,0 +1,111 @@
+"""Telemetry: metric names, scopes, and the recorder the runtime writes through.
+
+The engine supplies ``stats_factory``; each ``get_stats()`` hands back the current interval's
+stats object and starts a fresh one. The runtime thread records and the engine thread swaps,
+so both go through one uncontended lock: a sample is never recorded into an interval that
+was already handed out.
+
+Labels are bounded categories (scope, result, resource): never keys, request ids or
+endpoints.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from typing import Optional, Union
+
+from kvcr.config import TelemetryStats
+
+DURATION_METRIC = "kvcr_duration_seconds"
+TRANSFER_BYTES_METRIC = "kvcr_transfer_bytes"
+TRANSFER_BLOCKS_METRIC = "kvcr_transfer_blocks"
+STATE_METRIC = "kvcr_state"
+
+SCOPE_LOCAL_FILL = "local_fill"
+SCOPE_LOCAL_DELIVER = "local_deliver"
+SCOPE_LOCAL_FETCH = "local_fetch"
+
+RESULT_SUCCESS = "success"
+RESULT_PARTIAL = "partial"
+RESULT_FAILED = "failed"
+
+Number = Union[int, float]
+
+
+def result_label(succeeded: int, total: int) -> str:
+    if total and succeeded == total:
+        return RESULT_SUCCESS
+    return RESULT_PARTIAL if succeeded else RESULT_FAILED
+
+
+class Telemetry:
+    """Records into the current interval's stats object; a no-op when disabled."""
+
+    def __init__(
+        self,
+        factory: Optional[Callable[[], TelemetryStats]],
+        gauges: Callable[[], Mapping[str, Number]],
+    ) -> None:
+        self._factory = factory
+        self._gauges = gauges
+        self._lock = threading.Lock()
+        self._stats: Optional[TelemetryStats] = factory() if factory is not None else None
+
+    @property
+    def enabled(self) -> bool:
+        return self._stats is not None
+
+    def operation(
+        self, scope: str, seconds: float, succeeded: int, total: int, blocks: int, nbytes: int
+    ) -> None:
+        """One finished operation: its duration by result, and what it moved."""
+        if self._stats is None:
+            return
+        with self._lock:
+            stats = self._stats
+            stats.observe_histogram(DURATION_METRIC, seconds, (scope, result_label(succeeded, total)))
+            if blocks:
+                stats.increase_counter(TRANSFER_BLOCKS_METRIC, blocks, (scope,))
+                stats.increase_counter(TRANSFER_BYTES_METRIC, nbytes, (scope,))
+
+    def snapshot(self) -> Optional[TelemetryStats]:
+        """Set the state gauges on the current interval, return it, start a fresh one."""
+        if self._stats is None or self._factory is None:
+            return None
+        fresh = self._factory()
+        with self._lock:
+            current, self._stats = self._stats, fresh
+        for resource, value in self._gauges().items():
+            current.set_gauge(STATE_METRIC, value, (resource,))
+        return current
+
+
+class InMemoryStats:
+    """A ready-made ``TelemetryStats``: counters and gauges by (name, labels), histograms as
+    lists of observations. Useful for adapters without a metrics library, and for tests."""
+
+    def __init__(self) -> None:
+        self.counters: dict[tuple[str, tuple[str, ...]], Number] = {}
+        self.gauges: dict[tuple[str, tuple[str, ...]], Number] = {}
+        self.histograms: dict[tuple[str, tuple[str, ...]], list[Number]] = {}
+
+    def increase_counter(self, name: str, value: Number, labelvalues: tuple[str, ...] = ()) -> None:
+        key = (name, tuple(labelvalues))
+        self.counters[key] = self.counters.get(key, 0) + value
+
+    def set_gauge(self, name: str, value: Number, labelvalues: tuple[str, ...] = ()) -> None:
+        self.gauges[(name, tuple(labelvalues))] = value
+
+    def observe_histogram(self, name: str, value: Number, labelvalues: tuple[str, ...] = ()) -> None:
+        self.histograms.setdefault((name, tuple(labelvalues)), []).append(value)
+
+    def reduce(self) -> dict:
+        return {
+            "counters": dict(self.counters),
+            "gauges": dict(self.gauges),
+            "histograms": {k: list(v) for k, v in self.histograms.items()},
+        }
+
+    def is_empty(self) -> bool:
+        return not (self.counters or self.gauges or self.histograms)
