@@ -110,9 +110,20 @@ class BlockIndex:
 
     def remove(self, block: Block) -> None:
         """Forget the record and free its slots: only when no transfer touches them."""
+        self.detach(block)
+        self.release_slots(block)
+
+    def detach(self, block: Block) -> None:
+        """Forget the record but keep its slots taken (quarantined): a transfer may still
+        write them. :meth:`release_slots` frees them once it cannot."""
         del self.blocks[block.key]
         self.view.pop(block.key, None)
         block.version += 1
+
+    def holds(self, block: Block) -> bool:
+        return self.blocks.get(block.key) is block
+
+    def release_slots(self, block: Block) -> None:
         for pool, slot in zip(self.pools, block.slots):
             pool.release(slot)
 

@@ -268,6 +268,7 @@ class LocalG2:
         src: list[int] = []
         for block in blocks:
             block.fill = Fill()
+            op.filling[block.key] = block
             for pool, (slot, desc) in enumerate(zip(block.slots, sources[block.key])):
                 dst.append(self.memory.slot_desc(pool, slot))
                 src.append(desc)
@@ -275,8 +276,8 @@ class LocalG2:
         keys = frozenset(b.key for b in blocks)
 
         def settle(xfer: Xfer) -> None:
-            self._settle_fill(op, blocks, xfer.ok, no_evict)
             self.outbox.xfer_terminal(op, xfer)
+            self._settle_fill(op, blocks, xfer.ok, no_evict)
 
         try:
             xfer = self.transfers.start(dst, src, f"deposit op {op.handle}", nbytes, settle)
@@ -292,6 +293,10 @@ class LocalG2:
         answers: dict[BlockKey, OpEntryResult] = {}
         added: list[BlockKey] = []
         for block in blocks:
+            op.filling.pop(block.key, None)
+            if not self.index.holds(block):  # withdrawn while the transfer ran
+                self.index.release_slots(block)
+                continue
             fill = block.fill
             if ok and op.live(block.key):
                 self.index.commit(block, self.score(block))
@@ -312,6 +317,18 @@ class LocalG2:
         if not ok:
             op.failure = op.failure or "deposit: the transfer into local G2 failed"
         self.outbox.answer(op, answers)
+
+    def withdraw(self, op: Operation, keys: Sequence[BlockKey]) -> None:
+        """The operation gave up on ``keys`` (deadline, abort, close) while their fill may be
+        in flight: they leave the index at once (a query says MISS, waiters stop waiting),
+        but their slots stay taken until the transfer is terminal."""
+        for key in keys:
+            block = op.filling.get(key)
+            if block is None or not self.index.holds(block):
+                continue
+            self.index.detach(block)
+            block.fill.ok = False
+            block.fill.done.set()
 
     # -- deliver ---------------------------------------------------------------------------
 
@@ -341,8 +358,8 @@ class LocalG2:
             return
 
         def settle(xfer: Xfer) -> None:
-            self._settle_deliver(op, claimed, xfer.ok)
             self.outbox.xfer_terminal(op, xfer)
+            self._settle_deliver(op, claimed, xfer.ok)
 
         nbytes = len(claimed) * self.memory.bytes_per_key
         try:

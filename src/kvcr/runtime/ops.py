@@ -43,6 +43,7 @@ class Operation:
     framework_sources: tuple[BlockKey, ...] = ()
     framework_destinations: tuple[MemoryRef, ...] = ()
     uncertain: bool = False
+    filling: dict[BlockKey, object] = attrs.field(factory=dict)  # deposit: key -> Block
     moved: int = 0  # keys whose bytes were transferred
     succeeded: int = 0
     failure: Optional[str] = None

@@ -231,6 +231,8 @@ class Runtime:
             reason = "closed" if not timed_out else None
             if timed_out:
                 reason = f"{op.kind}: timed out after {self.config.operation_timeout_ms} ms"
+            if self.local is not None:
+                self.local.withdraw(op, list(op.pending))
             self.outbox.fail_pending(op, op.failure or reason or f"{op.kind}: failed")
             self.ops.pop(op.handle, None)
             self._record(op)
@@ -277,6 +279,8 @@ class Runtime:
         if not targets:
             return
         op.failure = op.failure or f"{op.kind}: aborted"
+        if self.local is not None:
+            self.local.withdraw(op, targets)
         self.outbox.answer(op, dict.fromkeys(targets, FAILED))
         if not op.pending:
             op.scope.cancel()

@@ -1,0 +1,152 @@
+"""A simulated inference engine for tests: its own KV buffers, KVCR-owned pools, and the
+bookkeeping an adapter does (refs, completions, checksums).
+
+The engine owns one framework region per pool (labelled with the pool's name) and a pool
+buffer per pool that it hands to KVCR through ``LocalDramOptions``, like vLLM's adapter.
+Block ``i`` of the engine holds bytes derived from a seed so tests can check content.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Iterable, Sequence
+from typing import Any, Optional
+
+import numpy as np
+import trio
+
+from kvcr.config import KVCRBackendConfigs, KVCRConfig, LocalDramOptions
+from kvcr.types import BlockKey, MemoryRef, OpEntryResult, RegionDescriptor
+
+
+def key(i: int) -> BlockKey:
+    return BlockKey(b"k%06d" % i)
+
+
+class EngineSim:
+    def __init__(
+        self,
+        name: str = "engine",
+        layouts: Sequence[tuple[str, int]] = (("", 4096),),
+        pool_blocks: int = 8,
+        region_blocks: int = 32,
+        stride: int = 0,
+        **config: Any,
+    ) -> None:
+        self.name = name
+        self.layouts = list(layouts)
+        self.stride = stride
+        self.region_blocks = region_blocks
+        self.regions: list[np.ndarray] = []
+        self.pools: list[np.ndarray] = []
+        descriptors = []
+        for pool, size in self.layouts:
+            pitch = stride or size
+            region = np.zeros(pitch * region_blocks, dtype=np.uint8)
+            self.regions.append(region)
+            descriptors.append(
+                RegionDescriptor(
+                    addr=region.ctypes.data,
+                    size=size,
+                    stride=stride,
+                    count=region_blocks,
+                    label=pool,
+                )
+            )
+            self.pools.append(np.zeros(size * pool_blocks, dtype=np.uint8))
+        self.config = KVCRConfig(name, self.layouts, **config)
+        self.backend_configs = KVCRBackendConfigs(
+            framework_regions=descriptors,
+            local_dram=LocalDramOptions(
+                [(pool, buf.ctypes.data, buf.nbytes) for (pool, _), buf in zip(self.layouts, self.pools)]
+            ),
+        )
+        self.completed: dict[int, dict[BlockKey, OpEntryResult]] = {}
+
+    # -- engine memory ---------------------------------------------------------------------
+
+    def view(self, pool: int, element: int) -> np.ndarray:
+        size = self.layouts[pool][1]
+        start = element * (self.stride or size)
+        return self.regions[pool][start : start + size]
+
+    def write(self, element: int, seed: int) -> None:
+        """Fill element ``element`` of every region with bytes derived from ``seed``."""
+        for pool in range(len(self.layouts)):
+            rng = np.random.default_rng(seed * 1000 + pool)
+            view = self.view(pool, element)
+            view[:] = rng.integers(0, 256, view.size, dtype=np.uint8)
+
+    def checksum(self, element: int) -> list[int]:
+        return [zlib.crc32(self.view(p, element).tobytes()) for p in range(len(self.layouts))]
+
+    def clear(self, element: int) -> None:
+        for pool in range(len(self.layouts)):
+            self.view(pool, element)[:] = 0
+
+    def refs(self, element: int) -> list[MemoryRef]:
+        return [
+            MemoryRef(end_point_name=self.name, label=pool, element_index=element)
+            for pool, _ in self.layouts
+        ]
+
+    def blocks(self, pairs: Iterable[tuple[BlockKey, int]]) -> dict[BlockKey, list[MemoryRef]]:
+        return {k: self.refs(element) for k, element in pairs}
+
+    # -- completions -----------------------------------------------------------------------
+
+    def _absorb(self, kv: Any) -> None:
+        for handle, entries in kv.poll_completed():
+            self.completed.setdefault(handle, {}).update(entries)
+
+    def wait(
+        self, kv: Any, handle: int, count: int, timeout: float = 10.0
+    ) -> dict[BlockKey, OpEntryResult]:
+        """Poll like an engine until ``count`` entries of ``handle`` arrived (threaded KVCR)."""
+        deadline = time.monotonic() + timeout
+        while len(self.completed.get(handle, {})) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"op {handle}: {self.completed.get(handle)} after {timeout} s")
+            self._absorb(kv)
+            time.sleep(0.0005)
+        return self.completed.pop(handle)
+
+    async def await_op(
+        self, kv: Any, handle: int, count: int, timeout: Optional[float] = 60.0
+    ) -> dict[BlockKey, OpEntryResult]:
+        """The same inside a trio loop (an in-loop KVCR, possibly under MockClock)."""
+        with trio.fail_after(timeout):
+            while len(self.completed.get(handle, {})) < count:
+                self._absorb(kv)
+                await trio.sleep(0.001)
+        return self.completed.pop(handle)
+
+    def statuses(self, entries: dict[BlockKey, OpEntryResult]) -> dict[BlockKey, str]:
+        return {k: v.status.value for k, v in entries.items()}
+
+
+class Recorder:
+    """The engine's callbacks, recording what KVCR tells it."""
+
+    def __init__(self) -> None:
+        self.inventory: list[Any] = []
+        self.capacity: list[list[tuple[str, int]]] = []
+        self.resilience: list[Exception] = []
+
+    def bindings(self, **overrides: Any) -> Any:
+        from kvcr import KVCRBindings
+
+        fields: dict[str, Any] = {
+            "request_pin": lambda keys: 0,
+            "poll_pin_results": lambda: [],
+            "release_pin": lambda handle: True,
+            "inventory_sink": self.inventory.append,
+            "capacity_needed_callback": self.capacity.append,
+            "on_resilience_event": self.resilience.append,
+        }
+        fields.update(overrides)
+        return KVCRBindings(**fields)
+
+    def inventory_keys(self, removed: bool) -> list[BlockKey]:
+        return [k for event in self.inventory if event.removed == removed for k in event.keys]
