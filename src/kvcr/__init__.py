@@ -7,15 +7,13 @@ from kvcr.errors import (
     KVCRServiceError,
     KVCRSocketError,
 )
+from kvcr.hints import ROUTER_HINT_CAPABILITIES, ROUTER_HINT_KEY
 from kvcr.telemetry import (
     DURATION_METRIC,
     STATE_METRIC,
     TRANSFER_BLOCKS_METRIC,
     TRANSFER_BYTES_METRIC,
 )
-
-ROUTER_HINT_KEY = "kv_hint"
-ROUTER_HINT_CAPABILITIES = frozenset({"router_hint"})
 
 __all__ = [
     "DURATION_METRIC",

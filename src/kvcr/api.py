@@ -27,6 +27,7 @@ from kvcr.config import (
     validate_setup,
 )
 from kvcr.errors import KVCRServiceError
+from kvcr.hints import HintBook, parse_router_hint
 from kvcr.logs import get_logger
 from kvcr.policy import G3LRUPolicy, KVCachePolicy, LRUPolicy
 from kvcr.runtime.memory import MemoryMap
@@ -49,6 +50,7 @@ from kvcr.types import (
 
 STARTUP_TIMEOUT_S = 60.0
 MISS = (QueryStatus.MISS, None)
+REMOTE = (QueryStatus.FETCHABLE, CacheTier.REMOTE_G2)
 _POLICY_HOOKS = (
     "decide_ingest",
     "eviction_score",
@@ -192,6 +194,9 @@ class KVCR:
         self._view = self._runtime.index.view
         self._outbox = self._runtime.outbox
         self._inbox = self._runtime.inbox
+        self._hints = HintBook()
+        self._key_adapter = bindings.key_adapter
+        self._opportunistic = backend_configs.remote_fw_dram.opportunistic_query
         self._close_lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
 
@@ -281,17 +286,42 @@ class KVCR:
         return handle
 
     def submit_hint(self, hints: Any, request_id: Optional[str] = None) -> None:
-        raise NotImplementedError
+        """Remember the router's hint for ``request_id``. A bad hint is a ValueError and
+        leaves the instance and any earlier hint of the request as they were."""
+        self._check_open("submit_hint")
+        hint = parse_router_hint(hints)
+        self._hints.submit(request_id, hint)
+        self._log.debug(
+            "hint_submitted", endpoint=hint.source_control_endpoint, blocks=len(hint.ordered_hashes)
+        )
 
     def discard_hint(self, request_id: Optional[str]) -> None:
-        raise NotImplementedError
+        self._check_open("discard_hint")
+        self._hints.discard(request_id)
 
     def query(
         self, keys: Sequence[BlockKey], request_id: Optional[str] = None
     ) -> list[tuple[QueryStatus, Optional[CacheTier]]]:
         self._check_open("query")
         view = self._view
-        return [view.get(key, MISS) for key in keys]
+        answers = [view.get(key, MISS) for key in keys]
+        hint = self._hints.get(request_id) if len(self._hints) else None
+        if hint is not None and not self._hints.failed(request_id):
+            for i, answer in enumerate(answers):
+                if answer is MISS and self._hint_covers(hint, keys[i]):
+                    answers[i] = REMOTE
+        return answers
+
+    def _hint_covers(self, hint: Any, key: BlockKey) -> bool:
+        if self._opportunistic:
+            return True
+        if self._key_adapter is None:
+            return False
+        try:
+            return hint.covers(self._key_adapter.decode(key))
+        except (ValueError, TypeError) as exc:
+            self._log.warning("key_adapter_decode_unusable", error=str(exc))
+            return False
 
     def align_sequence(self, ordered_keys: Sequence[BlockKey], use_current_time: bool = False) -> None:
         self._check_open("align_sequence")

@@ -158,3 +158,42 @@ def test_telemetry_disabled_changes_nothing_but_get_stats(adapter: Adapter) -> N
         assert kv.get_stats() is None
     finally:
         kv.close()
+
+
+def router_hint(endpoint: str, hashes: list[int]) -> dict:
+    return {
+        "protocol_version": "0.1",
+        "message_id": 1,
+        "actions": [
+            {
+                "action_id": 1,
+                "action_type": "kv.fetch",
+                "action_version": "1.0",
+                "payload": {"source_control_endpoint": endpoint, "block_hashes": hashes},
+            }
+        ],
+    }
+
+
+def test_a_router_hint_makes_covered_keys_fetchable_for_its_request(adapter: Adapter) -> None:
+    kv = adapter.kvcr
+    keys = [adapter.keys.encode(h) for h in (11, 12, 13)]
+    handle = kv.deposit({keys[0]: adapter.ref(0)})
+    adapter.wait(handle, 1)
+
+    kv.submit_hint(router_hint("tcp://127.0.0.1:5555", [11, 12]), request_id="req-1")
+
+    local, remote, miss = (QueryStatus.HIT, CacheTier.LOCAL_G2), (
+        QueryStatus.FETCHABLE,
+        CacheTier.REMOTE_G2,
+    ), (QueryStatus.MISS, None)
+    assert kv.query(keys, request_id="req-1") == [local, remote, miss]
+    assert kv.query(keys, request_id="other") == [local, miss, miss]
+    assert kv.query(keys) == [local, miss, miss]
+
+    with pytest.raises(ValueError, match="submit_hint: .*block_hashes"):
+        kv.submit_hint(router_hint("tcp://127.0.0.1:5555", []), request_id="req-1")
+    assert kv.query(keys, request_id="req-1") == [local, remote, miss]  # earlier hint kept
+
+    kv.discard_hint("req-1")
+    assert kv.query(keys, request_id="req-1") == [local, miss, miss]

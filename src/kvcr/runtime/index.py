@@ -150,15 +150,14 @@ class BlockIndex:
                 block = self.blocks.get(key)
                 if block is None or block.version != version:
                     continue
-                if not self.evictable(block):
-                    skipped.append(block)
-                    continue
-                yield block
-                if self.blocks.get(key) is block:
-                    skipped.append(block)
+                # Queued back at the end unless the caller removes it, also when the caller
+                # stops iterating right at this block.
+                skipped.append(block)
+                if self.evictable(block):
+                    yield block
         finally:
             for block in skipped:
-                if self.blocks.get(block.key) is block:
+                if self.holds(block):
                     self.rescore(block, score(block))
 
     def _compact(self) -> None:

@@ -1,0 +1,114 @@
+"""The block index: slots, records, claims and the lazy eviction queue (pure code)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcr.runtime.index import HIT, BlockIndex, BlockState, FETCHING, SlotPool
+
+
+def make_index(slots: int = 4, pools: int = 1) -> BlockIndex:
+    return BlockIndex([SlotPool(f"p{i}", 4096, slots) for i in range(pools)])
+
+
+def ready(index: BlockIndex, key: bytes, score: float):
+    block = index.add_filling(key, now=0.0)
+    index.commit(block, score)
+    return block
+
+
+def test_a_key_takes_one_slot_in_every_pool() -> None:
+    index = make_index(slots=4, pools=3)
+    block = index.add_filling(b"a", now=1.0)
+    assert len(block.slots) == 3
+    assert [p.free for p in index.pools] == [3, 3, 3]
+    assert index.free_keys == 3
+
+
+def test_view_follows_the_record_state() -> None:
+    index = make_index()
+    block = index.add_filling(b"a", now=0.0)
+    assert index.view[b"a"] == FETCHING
+    index.commit(block, 1.0)
+    assert index.view[b"a"] == HIT
+    assert block.state is BlockState.READY
+    index.remove(block)
+    assert b"a" not in index.view
+    assert index.free_keys == 4
+
+
+def test_a_detached_record_keeps_its_slots_until_released() -> None:
+    index = make_index(slots=1)
+    block = index.add_filling(b"a", now=0.0)
+    index.detach(block)
+    assert index.get(b"a") is None and b"a" not in index.view
+    assert index.free_keys == 0  # quarantined: a transfer may still write the slot
+    index.release_slots(block)
+    assert index.free_keys == 1
+
+
+def test_adding_a_key_twice_is_refused() -> None:
+    index = make_index()
+    index.add_filling(b"a", now=0.0)
+    with pytest.raises(KeyError, match="already has a record"):
+        index.add_filling(b"a", now=0.0)
+
+
+def test_victims_come_lowest_score_first_and_skip_claimed_and_filling_blocks() -> None:
+    index = make_index(slots=8)
+    for name, score in [(b"c", 3.0), (b"a", 1.0), (b"b", 2.0), (b"d", 4.0)]:
+        ready(index, name, score)
+    index.get(b"a").claims = 1
+    index.add_filling(b"e", now=0.0)
+
+    order = [b.key for b in index.victims(lambda b: 0.0)]
+
+    assert order == [b"b", b"c", b"d"]
+
+
+def test_rescoring_moves_a_block_in_the_queue() -> None:
+    index = make_index()
+    ready(index, b"a", 1.0)
+    ready(index, b"b", 2.0)
+    index.rescore(index.get(b"a"), 5.0)
+    assert [b.key for b in index.victims(lambda b: 0.0)] == [b"b", b"a"]
+
+
+def test_blocks_not_removed_by_the_caller_stay_queued() -> None:
+    index = make_index()
+    ready(index, b"a", 1.0)
+    ready(index, b"b", 2.0)
+    victims = index.victims(lambda b: {b"a": 1.0, b"b": 2.0}[b.key])
+    first = next(victims)
+    victims.close()  # the caller kept it (policy said KEEP) and stopped
+    assert first.key == b"a"
+    assert [b.key for b in index.victims(lambda b: 0.0)] == [b"a", b"b"]
+
+
+def test_claimed_blocks_are_evictable_again_once_unclaimed() -> None:
+    index = make_index()
+    block = ready(index, b"a", 1.0)
+    block.claims = 1
+    assert list(index.victims(lambda b: 1.0)) == []
+    block.claims = 0
+    assert [b.key for b in index.victims(lambda b: 1.0)] == [b"a"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("abcdefgh"), st.floats(-1e6, 1e6)), max_size=60))
+def test_victim_order_is_the_latest_score_of_each_live_block(updates) -> None:
+    index = make_index(slots=8)
+    latest: dict[bytes, float] = {}
+    for name, score in updates:
+        key = name.encode()
+        block = index.get(key)
+        if block is None:
+            ready(index, key, score)
+        else:
+            index.rescore(block, score)
+        latest[key] = score
+    got = [(latest[b.key], b.key) for b in index.victims(lambda b: latest[b.key])]
+    assert [k for _, k in got] == [k for _, k in sorted(got, key=lambda x: x[0])]
+    assert {k for _, k in got} == set(latest)
