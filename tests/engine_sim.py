@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 import zlib
 from collections.abc import Iterable, Sequence
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import trio
@@ -59,7 +59,10 @@ class EngineSim:
         self.backend_configs = KVCRBackendConfigs(
             framework_regions=descriptors,
             local_dram=LocalDramOptions(
-                [(pool, buf.ctypes.data, buf.nbytes) for (pool, _), buf in zip(self.layouts, self.pools)]
+                [
+                    (pool, buf.ctypes.data, buf.nbytes)
+                    for (pool, _), buf in zip(self.layouts, self.pools)
+                ]
             ),
         )
         self.completed: dict[int, dict[BlockKey, OpEntryResult]] = {}
@@ -113,7 +116,7 @@ class EngineSim:
         return self.completed.pop(handle)
 
     async def await_op(
-        self, kv: Any, handle: int, count: int, timeout: Optional[float] = 60.0
+        self, kv: Any, handle: int, count: int, timeout: float | None = 60.0
     ) -> dict[BlockKey, OpEntryResult]:
         """The same inside a trio loop (an in-loop KVCR, possibly under MockClock)."""
         with trio.fail_after(timeout):

@@ -11,8 +11,8 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Callable, Optional
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import attrs
 import trio
@@ -84,14 +84,14 @@ class KVCRBindings:
     request_pin: Callable[[list[BlockKey]], PinRequestId]
     poll_pin_results: Callable[[], Iterable[tuple[PinRequestId, PinResult]]]
     release_pin: Callable[[str], bool]
-    cancel_pin_request: Optional[Callable[[PinRequestId], None]] = None
-    framework_control: Optional[FrameworkControl] = None
-    key_adapter: Optional[KeyAdapter] = None
-    inventory_sink: Optional[Callable[..., None]] = None
-    capacity_needed_callback: Optional[Callable[[list[tuple[str, int]]], None]] = None
-    stats_factory: Optional[Callable[[], TelemetryStats]] = None
-    policy: Optional[KVCachePolicy] = None
-    on_resilience_event: Optional[Callable[[Exception], None]] = None
+    cancel_pin_request: Callable[[PinRequestId], None] | None = None
+    framework_control: FrameworkControl | None = None
+    key_adapter: KeyAdapter | None = None
+    inventory_sink: Callable[..., None] | None = None
+    capacity_needed_callback: Callable[[list[tuple[str, int]]], None] | None = None
+    stats_factory: Callable[[], TelemetryStats] | None = None
+    policy: KVCachePolicy | None = None
+    on_resilience_event: Callable[[Exception], None] | None = None
 
     def __attrs_post_init__(self) -> None:
         _callable("request_pin", self.request_pin, True)
@@ -116,7 +116,7 @@ class KVCR:
         config: KVCRConfig,
         bindings: KVCRBindings,
         backend_configs: KVCRBackendConfigs,
-        guard_config: Optional[KVCRGuardConfig] = None,
+        guard_config: KVCRGuardConfig | None = None,
     ) -> None:
         self._setup(config, bindings, backend_configs, guard_config, self._nixl_factory)
         self._start_thread()
@@ -128,20 +128,24 @@ class KVCR:
         config: KVCRConfig,
         bindings: KVCRBindings,
         backend_configs: KVCRBackendConfigs,
-        guard_config: Optional[KVCRGuardConfig],
+        guard_config: KVCRGuardConfig | None,
         transport_factory: Callable[[], Transport],
     ) -> None:
         self._closed = True  # until the runtime runs
         validate_setup(config, backend_configs, guard_config)
         if not isinstance(bindings, KVCRBindings):
-            raise ValueError(f"KVCR: bindings must be a KVCRBindings, got {type(bindings).__name__}")
+            raise ValueError(
+                f"KVCR: bindings must be a KVCRBindings, got {type(bindings).__name__}"
+            )
         if guard_config is not None:
             raise KVCRServiceError(
                 "KVCR: guard_config: pools owned by the guard service are not available in "
                 "this build yet; pass backend_configs.local_dram instead"
             )
         if backend_configs.g3 is not None:
-            raise ValueError("KVCRBackendConfigs: g3: the G3 file tier is not available in this build yet")
+            raise ValueError(
+                "KVCRBackendConfigs: g3: the G3 file tier is not available in this build yet"
+            )
         self._config = config
         self._bindings = bindings
         self._backend_configs = backend_configs
@@ -184,7 +188,7 @@ class KVCR:
             transport_factory=transport_factory,
             telemetry=Telemetry(
                 bindings.stats_factory if config.enable_telemetry else None,
-                lambda: self._runtime.gauges(),
+                lambda: self._runtime.gauges(),  # noqa: PLW0108 - _runtime is not built yet
             ),
             open_ops=self._open_ops,
             live_handles=self._live_handles,
@@ -198,7 +202,7 @@ class KVCR:
         self._key_adapter = bindings.key_adapter
         self._opportunistic = backend_configs.remote_fw_dram.opportunistic_query
         self._close_lock = threading.Lock()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
 
     def _nixl_factory(self) -> Transport:
         from kvcr.transport.nixl import NixlTransport
@@ -253,13 +257,13 @@ class KVCR:
 
     def _keys(self, what: str, keys: object) -> list[BlockKey]:
         if isinstance(keys, (bytes, str)) or not isinstance(keys, Sequence):
-            raise ValueError(f"{what}: keys must be a list of bytes keys, got {type(keys).__name__}")
+            raise ValueError(
+                f"{what}: keys must be a list of bytes keys, got {type(keys).__name__}"
+            )
         out = list(keys)
         for position, key in enumerate(out):
             if not isinstance(key, bytes):
-                raise ValueError(
-                    f"{what}: key #{position} must be bytes, got {type(key).__name__}"
-                )
+                raise ValueError(f"{what}: key #{position} must be bytes, got {type(key).__name__}")
         if len(set(out)) != len(out):
             seen: set[bytes] = set()
             position = next(i for i, k in enumerate(out) if k in seen or seen.add(k))
@@ -285,7 +289,7 @@ class KVCR:
         self._inbox.put((command[0], handle, keys, *command[1:]))
         return handle
 
-    def submit_hint(self, hints: Any, request_id: Optional[str] = None) -> None:
+    def submit_hint(self, hints: Any, request_id: str | None = None) -> None:
         """Remember the router's hint for ``request_id``. A bad hint is a ValueError and
         leaves the instance and any earlier hint of the request as they were."""
         self._check_open("submit_hint")
@@ -295,13 +299,13 @@ class KVCR:
             "hint_submitted", endpoint=hint.source_control_endpoint, blocks=len(hint.ordered_hashes)
         )
 
-    def discard_hint(self, request_id: Optional[str]) -> None:
+    def discard_hint(self, request_id: str | None) -> None:
         self._check_open("discard_hint")
         self._hints.discard(request_id)
 
     def query(
-        self, keys: Sequence[BlockKey], request_id: Optional[str] = None
-    ) -> list[tuple[QueryStatus, Optional[CacheTier]]]:
+        self, keys: Sequence[BlockKey], request_id: str | None = None
+    ) -> list[tuple[QueryStatus, CacheTier | None]]:
         self._check_open("query")
         view = self._view
         answers = [view.get(key, MISS) for key in keys]
@@ -323,7 +327,9 @@ class KVCR:
             self._log.warning("key_adapter_decode_unusable", error=str(exc))
             return False
 
-    def align_sequence(self, ordered_keys: Sequence[BlockKey], use_current_time: bool = False) -> None:
+    def align_sequence(
+        self, ordered_keys: Sequence[BlockKey], use_current_time: bool = False
+    ) -> None:
         self._check_open("align_sequence")
         self._inbox.put(("align", list(ordered_keys), bool(use_current_time)))
 
@@ -331,7 +337,7 @@ class KVCR:
         self,
         blocks: Mapping[BlockKey, list[MemoryRef]],
         no_evict: bool = False,
-        hints: Optional[Mapping[str, Any]] = None,
+        hints: Mapping[str, Any] | None = None,
     ) -> OpHandle:
         self._check_open("deposit")
         sources = self._resolve("deposit", blocks)
@@ -340,9 +346,9 @@ class KVCR:
     def fetch(
         self,
         keys: Sequence[BlockKey],
-        request_id: Optional[str] = None,
-        expected_layout: Optional[Sequence[tuple[str, int]]] = None,
-        hints: Optional[Mapping[str, Any]] = None,
+        request_id: str | None = None,
+        expected_layout: Sequence[tuple[str, int]] | None = None,
+        hints: Mapping[str, Any] | None = None,
     ) -> OpHandle:
         self._check_open("fetch")
         key_list = self._keys("fetch", keys)
@@ -356,7 +362,7 @@ class KVCR:
         return self._submit(("fetch",), key_list)
 
     def deliver(
-        self, blocks: Mapping[BlockKey, list[MemoryRef]], request_id: Optional[str] = None
+        self, blocks: Mapping[BlockKey, list[MemoryRef]], request_id: str | None = None
     ) -> OpHandle:
         self._check_open("deliver")
         destinations = self._resolve("deliver", blocks)
@@ -397,9 +403,11 @@ class KVCR:
         try:
             callback(event)
         except Exception as exc:
-            self._log.error("engine_callback_failed", callback="on_resilience_event", error=repr(exc))
+            self._log.error(
+                "engine_callback_failed", callback="on_resilience_event", error=repr(exc)
+            )
 
-    def abort(self, op_handle: OpHandle, keys: Optional[Sequence[BlockKey]] = None) -> bool:
+    def abort(self, op_handle: OpHandle, keys: Sequence[BlockKey] | None = None) -> bool:
         self._check_open("abort")
         pending = self._open_ops.get(op_handle)
         if not pending:
@@ -410,7 +418,7 @@ class KVCR:
         self._inbox.put(("abort", op_handle, key_list))
         return True
 
-    def get_stats(self) -> Optional[TelemetryStats]:
+    def get_stats(self) -> TelemetryStats | None:
         return self._runtime.telemetry.snapshot()
 
     def close(self) -> None:

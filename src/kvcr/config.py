@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Callable, Optional, Protocol, Union, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from kvcr.types import (
     BlockKey,
@@ -41,7 +41,9 @@ def _require_positive_int(owner: str, name: str, value: object) -> None:
 def _normalize_layouts(value: object) -> PoolBlockLayouts:
     where = "KVCRConfig: pool_layouts"
     if not isinstance(value, (list, tuple)) or not value:
-        raise ValueError(f"{where} must be a non-empty list of (pool name, block size), got {value!r}")
+        raise ValueError(
+            f"{where} must be a non-empty list of (pool name, block size), got {value!r}"
+        )
     layouts: PoolBlockLayouts = []
     seen: set[str] = set()
     for i, item in enumerate(value):
@@ -71,7 +73,7 @@ class KVCRConfig:
     operation_timeout_ms: int = 1000
     abandon_timeout_ms: int = 5000
     capacity_low_watermark_percent: int = 0
-    nixl_listen_port: Optional[int] = None
+    nixl_listen_port: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.nixl_agent_name, str) or not self.nixl_agent_name:
@@ -153,16 +155,14 @@ class G3Options:
     backend_options: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if isinstance(self.paths, (str, Path)) or not self.paths:
-            raise ValueError("G3Options: paths must be a non-empty sequence of file paths")
-        paths = tuple(Path(p) for p in self.paths)
-        resolved = [p.expanduser().resolve() for p in paths]
-        for i, p in enumerate(resolved):
-            if p in resolved[:i]:
-                raise ValueError(f"G3Options: paths: {paths[i]} aliases another path ({p})")
-        object.__setattr__(self, "paths", paths)
+        object.__setattr__(self, "paths", _g3_paths(self.paths))
         _require_positive_int("G3Options", "capacity_bytes_per_file", self.capacity_bytes_per_file)
         _require_backend("G3Options", self.backend)
+        if not isinstance(self.backend_options, Mapping):
+            raise ValueError(
+                "G3Options: backend_options must be a mapping of str to str, got "
+                f"{type(self.backend_options).__name__}"
+            )
         opts = dict(self.backend_options)
         for k, v in opts.items():
             if not isinstance(k, str) or not isinstance(v, str):
@@ -172,20 +172,70 @@ class G3Options:
         object.__setattr__(self, "backend_options", opts)
 
 
+def _g3_paths(value: object) -> tuple[Path, ...]:
+    where = "G3Options: paths"
+    if isinstance(value, (str, bytes, os.PathLike)) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"{where} must be a non-empty sequence of file paths, got {value!r}")
+    if not value:
+        raise ValueError(f"{where} must be a non-empty sequence of file paths")
+    paths: list[Path] = []
+    identities: dict[object, Path] = {}
+    for i, raw in enumerate(value):
+        if not isinstance(raw, (str, os.PathLike)) or isinstance(raw, bytes) or not str(raw):
+            raise ValueError(f"{where}[{i}] must be a non-empty str or Path, got {raw!r}")
+        try:
+            path = Path(raw)
+            resolved = path.expanduser().resolve()
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise ValueError(f"{where}[{i}] ({raw!r}) cannot be resolved: {exc}") from None
+        # Hard links and bind mounts alias by inode, symlinks and '..' by resolved name.
+        try:
+            st = resolved.stat()
+            identity: object = (st.st_dev, st.st_ino)
+        except OSError:
+            identity = resolved
+        for other_identity in (identity, resolved):
+            if other_identity in identities:
+                raise ValueError(
+                    f"{where}[{i}]: {path} aliases {identities[other_identity]} (same file)"
+                )
+        identities[identity] = identities[resolved] = path
+        paths.append(path)
+    return tuple(paths)
+
+
 @dataclasses.dataclass(frozen=True)
 class KVCRBackendConfigs:
     framework_regions: list[RegionDescriptor] = dataclasses.field(default_factory=list)
-    local_dram: Optional[LocalDramOptions] = None
-    g3: Optional[G3Options] = None
+    local_dram: LocalDramOptions | None = None
+    g3: G3Options | None = None
     remote_fw_dram: RemoteFWDramOptions = dataclasses.field(default_factory=RemoteFWDramOptions)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.framework_regions, (list, tuple)):
+            raise ValueError(
+                "KVCRBackendConfigs: framework_regions must be a list of RegionDescriptor, got "
+                f"{type(self.framework_regions).__name__}"
+            )
+        for name, cls, optional in (
+            ("local_dram", LocalDramOptions, True),
+            ("g3", G3Options, True),
+            ("remote_fw_dram", RemoteFWDramOptions, False),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, cls) and not (optional and value is None):
+                expected = f"a {cls.__name__}" + (" or None" if optional else "")
+                raise ValueError(
+                    f"KVCRBackendConfigs: {name} must be {expected}, got {type(value).__name__}"
+                )
         regions = list(self.framework_regions)
         labels: set[str] = set()
         for i, region in enumerate(regions):
             where = f"KVCRBackendConfigs: framework_regions[{i}]"
             if not isinstance(region, RegionDescriptor):
                 raise ValueError(f"{where} must be a RegionDescriptor, got {type(region).__name__}")
+            if not isinstance(region.label, str):
+                raise ValueError(f"{where}: label must be a str, got {region.label!r}")
             if region.label in labels:
                 raise ValueError(f"{where}: label {region.label!r} is not unique")
             labels.add(region.label)
@@ -237,7 +287,7 @@ def _require_backend(owner: str, backend: object) -> None:
 def validate_setup(
     config: KVCRConfig,
     backend_configs: KVCRBackendConfigs,
-    guard_config: Optional[KVCRGuardConfig],
+    guard_config: KVCRGuardConfig | None,
 ) -> None:
     """Checks that span several configuration objects."""
     if not isinstance(config, KVCRConfig):
@@ -298,15 +348,15 @@ def validate_g3_layout(layouts: PoolBlockLayouts, g3: G3Options) -> None:
 @runtime_checkable
 class TelemetryStats(Protocol):
     def increase_counter(
-        self, name: str, value: Union[int, float], labelvalues: tuple[str, ...] = ()
+        self, name: str, value: int | float, labelvalues: tuple[str, ...] = ()
     ) -> None: ...
 
     def set_gauge(
-        self, name: str, value: Union[int, float], labelvalues: tuple[str, ...] = ()
+        self, name: str, value: int | float, labelvalues: tuple[str, ...] = ()
     ) -> None: ...
 
     def observe_histogram(
-        self, name: str, value: Union[int, float], labelvalues: tuple[str, ...] = ()
+        self, name: str, value: int | float, labelvalues: tuple[str, ...] = ()
     ) -> None: ...
 
     def reduce(self) -> dict: ...
@@ -325,7 +375,7 @@ class FrameworkControl(Protocol):
 class KeyAdapter(Protocol):
     def encode(self, framework_key: object) -> BlockKey: ...
 
-    def decode(self, key: BlockKey) -> Union[int, bytes]: ...
+    def decode(self, key: BlockKey) -> int | bytes: ...
 
 
 InventorySink = Callable[[InventoryEvent], None]

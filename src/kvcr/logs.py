@@ -45,6 +45,4 @@ def get_logger(name: str, **context: Any) -> Any:
         return event
 
     processors = [drop_below_level, *structlog.get_config()["processors"]]
-    return structlog.wrap_logger(
-        None, processors=processors, logger_name=name, **context
-    )
+    return structlog.wrap_logger(None, processors=processors, logger_name=name, **context)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from typing import Any
 
 from kvcr.types import (
     BlockKey,
@@ -46,8 +46,8 @@ class KVCachePolicy:
         meta: BlockMeta,
         source: CacheTier,
         required_local: bool,
-        router_hints: Optional[Mapping[str, Any]] = None,
-        framework_hints: Optional[Mapping[str, Any]] = None,
+        router_hints: Mapping[str, Any] | None = None,
+        framework_hints: Mapping[str, Any] | None = None,
     ) -> PlacementDecision:
         return STORE_LOCAL
 

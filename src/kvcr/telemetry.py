@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
-from typing import Optional, Union
 
 from kvcr.config import TelemetryStats
 
@@ -30,7 +29,7 @@ RESULT_SUCCESS = "success"
 RESULT_PARTIAL = "partial"
 RESULT_FAILED = "failed"
 
-Number = Union[int, float]
+Number = int | float
 
 
 def result_label(succeeded: int, total: int) -> str:
@@ -44,13 +43,13 @@ class Telemetry:
 
     def __init__(
         self,
-        factory: Optional[Callable[[], TelemetryStats]],
+        factory: Callable[[], TelemetryStats] | None,
         gauges: Callable[[], Mapping[str, Number]],
     ) -> None:
         self._factory = factory
         self._gauges = gauges
         self._lock = threading.Lock()
-        self._stats: Optional[TelemetryStats] = factory() if factory is not None else None
+        self._stats: TelemetryStats | None = factory() if factory is not None else None
 
     @property
     def enabled(self) -> bool:
@@ -64,12 +63,14 @@ class Telemetry:
             return
         with self._lock:
             stats = self._stats
-            stats.observe_histogram(DURATION_METRIC, seconds, (scope, result_label(succeeded, total)))
+            stats.observe_histogram(
+                DURATION_METRIC, seconds, (scope, result_label(succeeded, total))
+            )
             if blocks:
                 stats.increase_counter(TRANSFER_BLOCKS_METRIC, blocks, (scope,))
                 stats.increase_counter(TRANSFER_BYTES_METRIC, nbytes, (scope,))
 
-    def snapshot(self) -> Optional[TelemetryStats]:
+    def snapshot(self) -> TelemetryStats | None:
         """Set the state gauges on the current interval, return it, start a fresh one."""
         if self._stats is None or self._factory is None:
             return None
@@ -97,7 +98,9 @@ class InMemoryStats:
     def set_gauge(self, name: str, value: Number, labelvalues: tuple[str, ...] = ()) -> None:
         self.gauges[(name, tuple(labelvalues))] = value
 
-    def observe_histogram(self, name: str, value: Number, labelvalues: tuple[str, ...] = ()) -> None:
+    def observe_histogram(
+        self, name: str, value: Number, labelvalues: tuple[str, ...] = ()
+    ) -> None:
         self.histograms.setdefault((name, tuple(labelvalues)), []).append(value)
 
     def reduce(self) -> dict:

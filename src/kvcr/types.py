@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from typing import NewType, Optional, Union
+from typing import NewType
 
 import attrs
 
@@ -50,7 +50,7 @@ class PlacementAction(enum.Enum):
     MOVE_TO = "MOVE_TO"
 
 
-PlacementDecision = tuple[PlacementAction, Optional[CacheTier]]
+PlacementDecision = tuple[PlacementAction, CacheTier | None]
 
 
 @attrs.frozen(kw_only=True)
@@ -58,7 +58,7 @@ class RegionDescriptor:
     """A registered memory region: element ``i`` lives at ``addr + i * (stride or size)``."""
 
     mem_type: str = "DRAM"
-    device_Id: int = 0  # noqa: N815 - the contract's spelling
+    device_Id: int = 0
     addr: int
     stride: int = 0
     count: int = 1
@@ -83,14 +83,14 @@ class MemoryRef:
     element_index: int
 
 
-PinResult = Optional[tuple[PinHandle, Mapping[BlockKey, Optional[list[MemoryRef]]]]]
+PinResult = tuple[PinHandle, Mapping[BlockKey, list[MemoryRef] | None]] | None
 
 
 @attrs.frozen
 class OpEntryResult:
     status: OpEntryStatus
-    descriptors: Optional[list[MemoryRef]] = None
-    release_handle: Optional[ReleaseHandle] = None
+    descriptors: list[MemoryRef] | None = None
+    release_handle: ReleaseHandle | None = None
 
     @property
     def success(self) -> bool:
@@ -114,7 +114,7 @@ class BlockMeta:
     block_key: BlockKey
     size_bytes: int
     access_count: int
-    last_access: Optional[float]
+    last_access: float | None
     resident_tiers: frozenset[CacheTier]
     position: int = -1
 
@@ -141,13 +141,15 @@ class TransferError(RuntimeError):
         op_handle: OpHandle,
         *,
         state: str = "uncertain",
-        source_blocks: Union[tuple[BlockKey, ...], None] = None,
-        source_owners: Union[tuple[str, ...], None] = None,
-        destination_regions: Union[tuple[MemoryRef, ...], None] = None,
-        destination_owner: Union[str, None] = None,
+        source_blocks: tuple[BlockKey, ...] | None = None,
+        source_owners: tuple[str, ...] | None = None,
+        destination_regions: tuple[MemoryRef, ...] | None = None,
+        destination_owner: str | None = None,
     ) -> None:
         if state not in ("uncertain", "quiesced"):
-            raise ValueError(f"TransferError: state must be 'uncertain' or 'quiesced', not {state!r}")
+            raise ValueError(
+                f"TransferError: state must be 'uncertain' or 'quiesced', not {state!r}"
+            )
         super().__init__(message)
         self.message = message
         self.op_handle = op_handle

@@ -183,15 +183,19 @@ def test_a_router_hint_makes_covered_keys_fetchable_for_its_request(adapter: Ada
 
     kv.submit_hint(router_hint("tcp://127.0.0.1:5555", [11, 12]), request_id="req-1")
 
-    local, remote, miss = (QueryStatus.HIT, CacheTier.LOCAL_G2), (
-        QueryStatus.FETCHABLE,
-        CacheTier.REMOTE_G2,
-    ), (QueryStatus.MISS, None)
+    local, remote, miss = (
+        (QueryStatus.HIT, CacheTier.LOCAL_G2),
+        (
+            QueryStatus.FETCHABLE,
+            CacheTier.REMOTE_G2,
+        ),
+        (QueryStatus.MISS, None),
+    )
     assert kv.query(keys, request_id="req-1") == [local, remote, miss]
     assert kv.query(keys, request_id="other") == [local, miss, miss]
     assert kv.query(keys) == [local, miss, miss]
 
-    with pytest.raises(ValueError, match="submit_hint: .*block_hashes"):
+    with pytest.raises(ValueError, match=r"submit_hint: .*block_hashes"):
         kv.submit_hint(router_hint("tcp://127.0.0.1:5555", []), request_id="req-1")
     assert kv.query(keys, request_id="req-1") == [local, remote, miss]  # earlier hint kept
 

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from engine_sim import EngineSim, Recorder, key
 
+from engine_sim import EngineSim, Recorder, key
 from kvcr import KVCR
 from kvcr.policy import FIFOPolicy, KVCachePolicy, LRUPolicy
 from kvcr.types import (
@@ -182,10 +182,14 @@ def test_capacity_callback_honours_the_low_watermark(open_kvcr) -> None:
 
 def test_policy_drop_gives_dropped_and_stores_nothing(open_kvcr) -> None:
     class DropOdd(KVCachePolicy):
-        def decide_ingest(self, meta, source, required_local, router_hints=None, framework_hints=None):
+        def decide_ingest(
+            self, meta, source, required_local, router_hints=None, framework_hints=None
+        ):
             if meta.block_key[-1] % 2:
                 return (PlacementAction.DROP, None)
-            return super().decide_ingest(meta, source, required_local, router_hints, framework_hints)
+            return super().decide_ingest(
+                meta, source, required_local, router_hints, framework_hints
+            )
 
     engine = EngineSim()
     kv = open_kvcr(engine, policy=DropOdd())
@@ -215,7 +219,10 @@ def test_deposit_of_a_resident_key_succeeds_without_copying(open_kvcr) -> None:
 @pytest.mark.parametrize(
     ("make_refs", "message"),
     [
-        (lambda e: [MemoryRef(end_point_name=e.name, label="nope", element_index=0)], "region 'nope'"),
+        (
+            lambda e: [MemoryRef(end_point_name=e.name, label="nope", element_index=0)],
+            "region 'nope'",
+        ),
         (lambda e: [MemoryRef(end_point_name=e.name, element_index=32)], "out of range .*count 32"),
         (lambda e: [MemoryRef(end_point_name="other", element_index=0)], "agent 'other'"),
         (lambda e: [], "has 0 refs"),
@@ -223,7 +230,9 @@ def test_deposit_of_a_resident_key_succeeds_without_copying(open_kvcr) -> None:
     ],
     ids=["unknown-label", "index-out-of-range", "foreign-agent", "refs-vs-layout", "not-a-list"],
 )
-def test_bad_refs_are_rejected_at_the_call_and_nothing_is_lost(open_kvcr, make_refs, message) -> None:
+def test_bad_refs_are_rejected_at_the_call_and_nothing_is_lost(
+    open_kvcr, make_refs, message
+) -> None:
     engine = EngineSim()
     kv = open_kvcr(engine)
     engine.write(0, seed=5)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import trio
-from engine_sim import EngineSim, Recorder, key
 
+from engine_sim import EngineSim, Recorder, key
 from kvcr.runtime.harness import kvcr_in_loop
 from kvcr.transport.fake import NEVER, Behavior, FakeTransport
 from kvcr.types import CacheTier, QueryStatus, TransferError

@@ -11,6 +11,7 @@ either is seen by that drain or finds ``_armed`` clear and writes the eventfd.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import deque
 from typing import Any
@@ -29,10 +30,9 @@ class Inbox:
         self._queue.append(command)
         if not self._armed:
             self._armed = True
-            try:
+            # A closed fd means the runtime is gone and will not read it anyway.
+            with contextlib.suppress(OSError):
                 os.eventfd_write(self._fd, 1)
-            except OSError:  # closed: the runtime is gone and will not read it anyway
-                pass
 
     async def get_batch(self) -> list[Any]:
         """Wait until at least one command is queued; return all queued commands."""
@@ -44,10 +44,8 @@ class Inbox:
             if batch:
                 return batch
             await trio.lowlevel.wait_readable(self._fd)
-            try:
+            with contextlib.suppress(BlockingIOError):
                 os.eventfd_read(self._fd)
-            except BlockingIOError:
-                pass
 
     def close(self) -> None:
         fd, self._fd = self._fd, -1

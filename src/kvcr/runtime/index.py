@@ -22,7 +22,6 @@ import enum
 import heapq
 import itertools
 from collections.abc import Callable, Iterator
-from typing import Optional
 
 import attrs
 
@@ -68,7 +67,7 @@ class Block:
     state: BlockState = BlockState.FILLING
     claims: int = 0
     access_count: int = 0
-    last_access: Optional[float] = None
+    last_access: float | None = None
     position: int = -1
     version: int = 0
     fill: object = None  # the runtime's fill tracker while FILLING
@@ -85,7 +84,7 @@ class BlockIndex:
     def __len__(self) -> int:
         return len(self.blocks)
 
-    def get(self, key: BlockKey) -> Optional[Block]:
+    def get(self, key: BlockKey) -> Block | None:
         return self.blocks.get(key)
 
     @property

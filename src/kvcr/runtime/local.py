@@ -17,7 +17,7 @@ import contextlib
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Optional
+from typing import Any
 
 import attrs
 import trio
@@ -82,7 +82,7 @@ class LocalG2:
 
     # -- policy plumbing -------------------------------------------------------------------
 
-    def meta(self, block: Block, resident: Optional[frozenset[CacheTier]] = None) -> BlockMeta:
+    def meta(self, block: Block, resident: frozenset[CacheTier] | None = None) -> BlockMeta:
         if resident is None:
             resident = _G2 if block.state is BlockState.READY else _NONE
         return BlockMeta(
@@ -184,7 +184,7 @@ class LocalG2:
         op: Operation,
         sources: Mapping[BlockKey, tuple[int, ...]],
         no_evict: bool,
-        hints: Optional[Mapping[str, Any]],
+        hints: Mapping[str, Any] | None,
     ) -> None:
         todo = list(op.keys)
         while todo:
@@ -211,7 +211,7 @@ class LocalG2:
         keys: Sequence[BlockKey],
         sources: Mapping[BlockKey, tuple[int, ...]],
         no_evict: bool,
-        hints: Optional[Mapping[str, Any]],
+        hints: Mapping[str, Any] | None,
     ) -> list[tuple[BlockKey, Fill]]:
         now = trio.current_time()
         answers: dict[BlockKey, OpEntryResult] = {}
@@ -332,7 +332,9 @@ class LocalG2:
 
     # -- deliver ---------------------------------------------------------------------------
 
-    async def deliver(self, op: Operation, destinations: Mapping[BlockKey, tuple[int, ...]]) -> None:
+    async def deliver(
+        self, op: Operation, destinations: Mapping[BlockKey, tuple[int, ...]]
+    ) -> None:
         await self.wait_fills(op.keys)
         now = trio.current_time()
         answers: dict[BlockKey, OpEntryResult] = {}

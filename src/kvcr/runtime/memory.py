@@ -42,7 +42,9 @@ class MemoryMap:
         self.regions: dict[str, tuple[RegionDescriptor, int]] = {}
         for region in framework_regions:
             self.segments.append(
-                Segment(f"region:{region.label}", region.addr, region.size, region.count, region.stride)
+                Segment(
+                    f"region:{region.label}", region.addr, region.size, region.count, region.stride
+                )
             )
             self.regions[region.label] = (region, base)
             base += region.count
@@ -74,9 +76,7 @@ class MemoryMap:
                 f"{what}: key #{position} ({key!r}) has {len(refs)} refs, the pool layout "
                 f"{self.pool_names} needs one per pool ({len(self.block_sizes)})"
             )
-        return tuple(
-            self._resolve_ref(what, position, pool, ref) for pool, ref in enumerate(refs)
-        )
+        return tuple(self._resolve_ref(what, position, pool, ref) for pool, ref in enumerate(refs))
 
     def _resolve_ref(self, what: str, position: int, pool: int, ref: object) -> int:
         where = f"{what}: key #{position} ref {pool}"

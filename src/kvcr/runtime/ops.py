@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
-from typing import Optional
 
 import attrs
 import trio
@@ -46,7 +45,7 @@ class Operation:
     filling: dict[BlockKey, object] = attrs.field(factory=dict)  # deposit: key -> Block
     moved: int = 0  # keys whose bytes were transferred
     succeeded: int = 0
-    failure: Optional[str] = None
+    failure: str | None = None
 
     def live(self, key: BlockKey) -> bool:
         """Still waiting for an answer, and not withdrawn by abort."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any
 
 import attrs
 import trio
@@ -48,8 +48,8 @@ _LEAKED: list[object] = []
 class Callbacks:
     """Engine callbacks, called on the runtime thread; a raising callback is logged."""
 
-    inventory_sink: Optional[Callable[[InventoryEvent], None]]
-    capacity_needed_callback: Optional[Callable[[list[tuple[str, int]]], None]]
+    inventory_sink: Callable[[InventoryEvent], None] | None
+    capacity_needed_callback: Callable[[list[tuple[str, int]]], None] | None
     log: Any
 
     def inventory(self, event: InventoryEvent) -> None:
@@ -102,11 +102,11 @@ class Runtime:
         ]
         self.index = BlockIndex(pools)
         self._transport_factory = transport_factory
-        self.transport: Optional[Transport] = None
-        self.transfers: Optional[Transfers] = None
-        self.local: Optional[LocalG2] = None
+        self.transport: Transport | None = None
+        self.transfers: Transfers | None = None
+        self.local: LocalG2 | None = None
         self.ops: dict[int, Operation] = {}
-        self._ops_nursery: Optional[trio.Nursery] = None
+        self._ops_nursery: trio.Nursery | None = None
         self.closed = trio.Event()
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -271,7 +271,7 @@ class Runtime:
             reason="still in flight past abandon_timeout_ms; its memory stays held",
         )
 
-    def _abort(self, handle: int, keys: Optional[list[BlockKey]]) -> None:
+    def _abort(self, handle: int, keys: list[BlockKey] | None) -> None:
         op = self.ops.get(handle)
         if op is None:
             return

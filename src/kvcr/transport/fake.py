@@ -13,7 +13,6 @@ import ctypes
 import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Optional
 
 import attrs
 
@@ -22,7 +21,7 @@ from kvcr.transport.base import Segment, TransportError, XferState
 
 @attrs.frozen
 class Behavior:
-    delay: Optional[float] = 0.0  # seconds after posting; None = never finishes by itself
+    delay: float | None = 0.0  # seconds after posting; None = never finishes by itself
     fail: bool = False  # finishes with ERR (after delay) and copies nothing
     refuse: bool = False  # post raises TransportError
 
@@ -71,9 +70,9 @@ class FakeTransport:
 
     def poll(self, xfer: FakeXfer) -> XferState:
         delay = xfer.behavior.delay
-        if xfer.state is XferState.PROC and delay is not None:
-            if self._clock() >= xfer.posted_at + delay:
-                self._finish(xfer, ok=not xfer.behavior.fail)
+        due = delay is not None and self._clock() >= xfer.posted_at + delay
+        if xfer.state is XferState.PROC and due:
+            self._finish(xfer, ok=not xfer.behavior.fail)
         return xfer.state
 
     def finish(self, xfer: FakeXfer, ok: bool = True) -> None:
