@@ -8,6 +8,7 @@ memory is registered) and ``close``.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -218,14 +219,14 @@ class KVCR:
         started = threading.Event()
         failure: list[BaseException] = []
 
-        async def main() -> None:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(self._runtime.serve)
+        class Started:  # trio's task_status protocol, signalling this thread
+            @staticmethod
+            def started(value: object = None) -> None:
                 started.set()
 
         def run() -> None:
             try:
-                trio.run(main)
+                trio.run(functools.partial(self._runtime.serve, task_status=Started()))
             except BaseException as exc:
                 failure.append(exc)
             finally:

@@ -112,9 +112,10 @@ class Runtime:
     # -- lifecycle -----------------------------------------------------------------------
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        transport = self.transport = self._transport_factory()
+        transport: Transport | None = None
         leaked = False
         try:
+            transport = self.transport = self._transport_factory()
             transport.open_local(self.memory.segments)
             self.transfers = Transfers(transport, self.log)
             if self.has_pools:
@@ -149,7 +150,7 @@ class Runtime:
                     "transport_leaked",
                     reason="transfers still in flight at close; memory stays registered",
                 )
-            else:
+            elif transport is not None:
                 transport.close()
             self.closed.set()
 
