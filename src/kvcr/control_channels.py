@@ -26,7 +26,6 @@ import contextlib
 import os
 import socket
 
-import structlog
 import zmq
 
 from kvcr.errors import (
@@ -35,6 +34,7 @@ from kvcr.errors import (
     KVCRServiceError,
     KVCRSocketError,
 )
+from kvcr.logs import get_logger
 
 __all__ = [
     "KVCRGuardProtocolError",
@@ -44,7 +44,7 @@ __all__ = [
     "ZmqPeerControlChannel",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 _WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]", "*"})
 

@@ -62,7 +62,8 @@ from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import attrs
-import structlog
+
+from kvcr.logs import get_logger
 
 __all__ = [
     "DEFAULT_MAX_REQUESTS",
@@ -98,7 +99,7 @@ _ENDPOINT = re.compile(
     r"tcp://(?P<host>\[[0-9A-Za-z:.%_-]+\]|[A-Za-z0-9._-]+|\*):(?P<port>[0-9]+)", re.ASCII
 )
 
-_log = structlog.get_logger("kvcr.hints")
+_log = get_logger("kvcr.hints")
 
 
 # --- bounded descriptions of outside values ---------------------------------------------------

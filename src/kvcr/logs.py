@@ -1,15 +1,25 @@
-"""Structured logging: structlog events with stable names, level from ``KVCR_LOG_LEVEL``.
+"""Structured logging: structlog events with stable names, written through stdlib logging.
 
-kvcr lives inside an engine process that owns logging, so the library never reconfigures
-structlog globally. It wraps its own loggers with a level filter taken from
-``KVCR_LOG_LEVEL`` (default ``WARNING`` for the library, the service sets its own) and
-otherwise renders through whatever structlog configuration the process has.
+kvcr lives inside an engine process that owns logging, so it never reconfigures structlog
+or the root logger. Each event is rendered as ``event key=value ...`` and handed to the
+stdlib logger ``kvcr.<module>``, so it lands wherever the engine sends its logs.
+
+``KVCR_LOG_LEVEL`` sets the level of the ``kvcr`` logger. When it is set and nothing in the
+process has configured logging, kvcr adds one stderr handler so that the operator who asked
+for the logs sees them.
+
+:func:`capture_events` records events as dicts (with ``event`` and ``log_level``), whatever
+the level: tests use it to check what was logged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import structlog
@@ -22,27 +32,75 @@ _LEVELS = {
     "INFO": logging.INFO,
     "DEBUG": logging.DEBUG,
 }
+_taps: list[list[dict[str, Any]]] = []
+_configured = threading.Lock()
+_env_applied = False
 
 
-def level_from_env(default: str = "WARNING") -> int:
-    """The level named by ``KVCR_LOG_LEVEL``; an unknown name is a ValueError naming it."""
-    name = os.environ.get("KVCR_LOG_LEVEL", default).strip().upper()
+def parse_level(name: str) -> int:
+    """A level name (case-insensitive); an unknown name is a ValueError naming it."""
     try:
-        return _LEVELS[name]
+        return _LEVELS[name.strip().upper()]
     except KeyError:
         raise ValueError(
             f"KVCR_LOG_LEVEL: unknown level {name!r}, expected one of {sorted(_LEVELS)}"
         ) from None
 
 
+def apply_env_level() -> None:
+    """Apply ``KVCR_LOG_LEVEL`` to the ``kvcr`` logger (once per process)."""
+    global _env_applied  # noqa: PLW0603 - a process-wide, once-only setting
+    with _configured:
+        if _env_applied:
+            return
+        _env_applied = True
+        name = os.environ.get("KVCR_LOG_LEVEL")
+        if not name:
+            return
+        logger = logging.getLogger("kvcr")
+        logger.setLevel(parse_level(name))
+        if not logger.handlers and not logging.getLogger().handlers:
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(
+                logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s")
+            )
+            logger.addHandler(handler)
+
+
+def _tap(_logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:
+    for tap in _taps:
+        tap.append({**event, "log_level": method})
+    return event
+
+
+def _render(_logger: Any, _method: str, event: dict[str, Any]) -> str:
+    name = event.pop("event", "")
+    fields = " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in event.items())
+    return f"{name} {fields}" if fields else str(name)
+
+
 def get_logger(name: str, **context: Any) -> Any:
-    """A structlog logger for ``name`` that drops events below ``KVCR_LOG_LEVEL``."""
-    level = level_from_env()
+    """A structlog logger writing to the stdlib logger ``name``, bound to ``context``."""
+    apply_env_level()
+    return structlog.wrap_logger(
+        logging.getLogger(name),
+        processors=[
+            _tap,
+            structlog.stdlib.filter_by_level,
+            structlog.processors.format_exc_info,
+            _render,
+        ],
+        wrapper_class=structlog.stdlib.BoundLogger,
+        **context,
+    )
 
-    def drop_below_level(_logger: Any, method: str, event: dict) -> dict:
-        if _LEVELS.get(method.upper(), logging.INFO) < level:
-            raise structlog.DropEvent
-        return event
 
-    processors = [drop_below_level, *structlog.get_config()["processors"]]
-    return structlog.wrap_logger(None, processors=processors, logger_name=name, **context)
+@contextlib.contextmanager
+def capture_events() -> Iterator[list[dict[str, Any]]]:
+    """Record every kvcr event emitted inside the block, at any level."""
+    tap: list[dict[str, Any]] = []
+    _taps.append(tap)
+    try:
+        yield tap
+    finally:
+        _taps.remove(tap)

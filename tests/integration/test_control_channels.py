@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-import structlog
 import trio
 
 from kvcr.control_channels import (
@@ -226,7 +225,7 @@ def test_close_closes_everything_even_if_one_close_raises(
         raise OSError("close failed")
 
     monkeypatch.setattr(failing, "close", broken_close)
-    with structlog.testing.capture_logs() as logs:
+    with capture_events() as logs:
         channel.close()  # does not raise
     assert healthy.closed and router.closed
     assert "control_channel.close_failed" in [entry["event"] for entry in logs]

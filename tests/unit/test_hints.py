@@ -14,7 +14,6 @@ import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from structlog.testing import capture_logs
 
 from kvcr import hints
 from kvcr.hints import (
@@ -24,6 +23,7 @@ from kvcr.hints import (
     RouterHint,
     parse_router_hint,
 )
+from kvcr.logs import capture_events
 
 MAX_HASH = 2**64 - 1
 ENDPOINT = "tcp://10.0.0.7:5555"
@@ -220,14 +220,14 @@ def _seconds(fn, arg):
 
 
 def test_expected_versions_are_not_logged():
-    with capture_logs() as logs:
+    with capture_events() as logs:
         parse_router_hint(envelope())
 
     assert logs == []
 
 
 def test_an_unknown_protocol_version_is_logged_once_and_parsed_anyway():
-    with capture_logs() as logs:
+    with capture_events() as logs:
         first = parse_router_hint(envelope(protocol_version="0.2"))
         parse_router_hint(envelope(protocol_version="0.2"))
 
@@ -242,7 +242,7 @@ def test_an_unknown_action_version_is_logged_once_and_parsed_anyway():
     action = fetch_action(hashes=[4])
     action["action_version"] = "2.0"
 
-    with capture_logs() as logs:
+    with capture_events() as logs:
         first = parse_router_hint(envelope(actions=[action]))
         parse_router_hint(envelope(actions=[action]))
 
@@ -253,7 +253,7 @@ def test_an_unknown_action_version_is_logged_once_and_parsed_anyway():
 
 
 def test_each_distinct_unknown_version_is_logged_once():
-    with capture_logs() as logs:
+    with capture_events() as logs:
         for version in ["0.2", "0.3", "0.2", "0.3", "0.4"]:
             parse_router_hint(envelope(protocol_version=version))
 
@@ -264,7 +264,7 @@ def test_an_absent_version_counts_as_unknown_and_is_stored_empty():
     bare = envelope()
     del bare["protocol_version"]
 
-    with capture_logs() as logs:
+    with capture_events() as logs:
         parsed = parse_router_hint(bare)
 
     assert parsed.protocol_version == ""
@@ -272,7 +272,7 @@ def test_an_absent_version_counts_as_unknown_and_is_stored_empty():
 
 
 def test_unknown_version_logging_is_bounded_so_a_noisy_router_cannot_flood_logs():
-    with capture_logs() as logs:
+    with capture_events() as logs:
         for n in range(200):
             parse_router_hint(envelope(protocol_version=f"9.{n}"))
 
@@ -834,7 +834,7 @@ anything = (
 @settings(max_examples=500)
 @given(anything)
 def test_any_json_like_input_either_parses_into_a_sound_hint_or_raises_value_error(candidate):
-    with capture_logs():
+    with capture_events():
         try:
             parsed = parse_router_hint(candidate)
         except ValueError as error:
