@@ -23,6 +23,7 @@ from kvcr.control_channels import (
     KVCRSocketError,
     ZmqPeerControlChannel,
 )
+from kvcr.logs import capture_events
 
 pytestmark = pytest.mark.integration
 
