@@ -87,12 +87,14 @@ def test_blocks_not_removed_by_the_caller_stay_queued() -> None:
     assert [b.key for b in index.victims(lambda b: 0.0)] == [b"a", b"b"]
 
 
-def test_claimed_blocks_are_evictable_again_once_unclaimed() -> None:
+def test_claimed_blocks_leave_the_queue_until_whoever_unclaims_requeues_them() -> None:
     index = make_index()
     block = ready(index, b"a", 1.0)
     block.claims = 1
     assert list(index.victims(lambda b: 1.0)) == []
+    assert block.queued is False  # no cost for it in later evictions
     block.claims = 0
+    index.rescore(block, 1.0)
     assert [b.key for b in index.victims(lambda b: 1.0)] == [b"a"]
 
 

@@ -4,6 +4,11 @@ An engine call appends a command to a deque (~0.1 µs) and, only if the runtime 
 already due to wake, writes an eventfd (~1 µs). ``TrioToken.run_sync_soon`` would cost the
 engine ~20 µs per call (nixl-on-cpu.md), the whole budget of an engine-facing call.
 
+The eventfd is written through ``ctypes.PyDLL``, which keeps the GIL across the syscall.
+``os.eventfd_write`` releases it, and the runtime thread it just woke could take the GIL
+there and then: the engine's call would return only after the runtime's work (up to a
+whole switch interval, 5 ms), which is what the engine-call p99 showed before this.
+
 Ordering argument for the flag: the runtime clears ``_armed`` *before* draining, and the
 engine appends *before* testing ``_armed``. So a command appended after the drain started
 either is seen by that drain or finds ``_armed`` clear and writes the eventfd.
@@ -12,11 +17,17 @@ either is seen by that drain or finds ``_armed`` clear and writes the eventfd.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 from collections import deque
 from typing import Any
 
 import trio
+
+_libc = ctypes.PyDLL(None, use_errno=True)
+_eventfd_write = _libc.eventfd_write
+_eventfd_write.argtypes = [ctypes.c_int, ctypes.c_uint64]
+_eventfd_write.restype = ctypes.c_int
 
 
 class Inbox:
@@ -30,9 +41,8 @@ class Inbox:
         self._queue.append(command)
         if not self._armed:
             self._armed = True
-            # A closed fd means the runtime is gone and will not read it anyway.
-            with contextlib.suppress(OSError):
-                os.eventfd_write(self._fd, 1)
+            # A failure means the fd is closed: the runtime is gone and will not read it.
+            _eventfd_write(self._fd, 1)
 
     async def get_batch(self) -> list[Any]:
         """Wait until at least one command is queued; return all queued commands."""
@@ -47,7 +57,9 @@ class Inbox:
             with contextlib.suppress(BlockingIOError):
                 os.eventfd_read(self._fd)
 
-    def close(self) -> None:
+    def __del__(self) -> None:
+        # Closed only when nothing can call put() any more: an fd closed earlier could be
+        # reused by another file, which a late put() would then write into.
         fd, self._fd = self._fd, -1
         if fd >= 0:
             os.close(fd)

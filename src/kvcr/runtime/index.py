@@ -70,7 +70,8 @@ class Block:
     last_access: float | None = None
     position: int = -1
     version: int = 0
-    fill: object = None  # the runtime's fill tracker while FILLING
+    queued: bool = False  # has a current entry in the eviction queue
+    waiters: object = None  # a trio.Event while somebody waits for the fill to end
 
 
 class BlockIndex:
@@ -103,7 +104,6 @@ class BlockIndex:
 
     def commit(self, block: Block, score: float) -> None:
         block.state = BlockState.READY
-        block.fill = None
         self.view[block.key] = HIT
         self.rescore(block, score)
 
@@ -132,6 +132,7 @@ class BlockIndex:
 
     def rescore(self, block: Block, score: float) -> None:
         block.version += 1
+        block.queued = True
         heapq.heappush(self._heap, (score, next(self._seq), block.key, block.version))
         if len(self._heap) > 2 * len(self.blocks) + 64:
             self._compact()
@@ -140,22 +141,26 @@ class BlockIndex:
         return block.state is BlockState.READY and block.claims == 0
 
     def victims(self, score: Callable[[Block], float]) -> Iterator[Block]:
-        """Evictable blocks, lowest score first. Blocks the caller does not remove are
-        requeued when the iteration ends."""
-        skipped: list[Block] = []
+        """Evictable blocks, lowest score first. A block the caller does not remove is
+        queued again when the iteration ends (also when the caller stops right at it).
+
+        Claimed blocks met on the way leave the queue instead of being queued again, so an
+        eviction costs nothing per claimed block: whoever drops the last claim requeues it
+        (``queued`` is False until then)."""
+        kept: list[Block] = []
         try:
             while self._heap:
                 _, _, key, version = heapq.heappop(self._heap)
                 block = self.blocks.get(key)
                 if block is None or block.version != version:
                     continue
-                # Queued back at the end unless the caller removes it, also when the caller
-                # stops iterating right at this block.
-                skipped.append(block)
-                if self.evictable(block):
-                    yield block
+                if not self.evictable(block):
+                    block.queued = False
+                    continue
+                kept.append(block)
+                yield block
         finally:
-            for block in skipped:
+            for block in kept:
                 if self.holds(block):
                     self.rescore(block, score(block))
 

@@ -19,7 +19,6 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import attrs
 import trio
 
 from kvcr.policy import KVCachePolicy
@@ -40,15 +39,32 @@ from kvcr.types import (
 )
 
 _G2 = frozenset({CacheTier.LOCAL_G2})
+_STORE = (PlacementAction.COPY_TO, CacheTier.LOCAL_G2)
+_DROP = (PlacementAction.DROP, None)
+POLICY_HOOKS = (
+    "decide_ingest",
+    "eviction_score",
+    "decide_eviction",
+    "on_ingest",
+    "on_remove",
+    "on_align_sequence",
+    "decide_recovery",
+)
 _NONE: frozenset[CacheTier] = frozenset()
 
 
-@attrs.define(eq=False)
-class Fill:
-    """A key's slots being written; others may wait for the outcome."""
+async def wait_filled(block: Block) -> None:
+    """Wait until ``block``'s fill is over, committed or not. The event is made only when
+    somebody waits: most fills have no waiter."""
+    if block.waiters is None:
+        block.waiters = trio.Event()
+    await block.waiters.wait()
 
-    done: trio.Event = attrs.field(factory=trio.Event)
-    ok: bool = False
+
+def fill_over(block: Block) -> None:
+    if block.waiters is not None:
+        block.waiters.set()
+        block.waiters = None
 
 
 class LocalG2:
@@ -78,6 +94,14 @@ class LocalG2:
         self.callbacks = callbacks
         self.log = log
         self.handles: dict[int, BlockKey] = {}
+        # Hooks the policy leaves as KVCachePolicy's defaults are not called: the default is
+        # applied directly, which saves a BlockMeta and a call per key on the hot paths.
+        self._hooks = {
+            hook: None
+            if getattr(type(policy), hook, None) is getattr(KVCachePolicy, hook)
+            else getattr(policy, hook)
+            for hook in POLICY_HOOKS
+        }
         self.watermark = [math.ceil(p.capacity * watermark_percent / 100) for p in index.pools]
 
     # -- policy plumbing -------------------------------------------------------------------
@@ -95,14 +119,22 @@ class LocalG2:
         )
 
     def score(self, block: Block) -> float:
+        if self._hooks["eviction_score"] is None:  # the base policy: least recently used
+            return block.last_access if block.last_access is not None else float("-inf")
         return self._policy("eviction_score", 0.0, self.meta(block), CacheTier.LOCAL_G2)
 
     def _policy(self, hook: str, default: Any, *args: Any) -> Any:
+        fn = self._hooks[hook]
+        if fn is None:
+            return default
         try:
-            return getattr(self.policy, hook)(*args)
+            return fn(*args)
         except Exception as exc:
             self.log.error("policy_hook_failed", hook=hook, error=repr(exc))
             return default
+
+    def _wants(self, hook: str) -> bool:
+        return self._hooks[hook] is not None
 
     # -- claims and release handles ----------------------------------------------------------
 
@@ -113,6 +145,8 @@ class LocalG2:
 
     def unclaim(self, block: Block) -> None:
         block.claims -= 1
+        if block.claims == 0 and not block.queued and self.index.holds(block):
+            self.index.rescore(block, self.score(block))
 
     def hold(self, block: Block) -> ReleaseHandle:
         """A claim the engine drops with ``release``: the block stays resident until then."""
@@ -126,7 +160,7 @@ class LocalG2:
         key = self.handles.pop(handle, None)
         block = self.index.get(key) if key is not None else None
         if block is not None:
-            block.claims -= 1
+            self.unclaim(block)
 
     # -- room ------------------------------------------------------------------------------
 
@@ -156,14 +190,15 @@ class LocalG2:
             for block in victims:
                 if len(removed) >= count:
                     break
-                meta = self.meta(block)
-                action, _tier = self._policy(
-                    "decide_eviction", (PlacementAction.DROP, None), meta, CacheTier.LOCAL_G2
-                )
-                if action is PlacementAction.KEEP:
-                    continue
+                if self._wants("decide_eviction"):
+                    action, _tier = self._policy(
+                        "decide_eviction", _DROP, self.meta(block), CacheTier.LOCAL_G2
+                    )
+                    if action is PlacementAction.KEEP:
+                        continue
                 self.index.remove(block)
-                self._policy("on_remove", None, self.meta(block, _NONE))
+                if self._wants("on_remove"):
+                    self._policy("on_remove", None, self.meta(block, _NONE))
                 removed.append(block.key)
         if removed:
             self.callbacks.inventory(InventoryEvent(tuple(removed), CacheTier.LOCAL_G2, True))
@@ -175,7 +210,7 @@ class LocalG2:
         for key in keys:
             block = self.index.get(key)
             if block is not None and block.state is BlockState.FILLING:
-                await block.fill.done.wait()
+                await wait_filled(block)
 
     # -- deposit ---------------------------------------------------------------------------
 
@@ -190,12 +225,12 @@ class LocalG2:
         while todo:
             waits = await self._deposit_round(op, todo, sources, no_evict, hints)
             todo = []
-            for key, fill in waits:
-                await fill.done.wait()
+            for key, block in waits:
+                if block.state is BlockState.FILLING and self.index.holds(block):
+                    await wait_filled(block)
                 if not op.live(key):
                     continue
-                block = self.index.get(key)
-                if fill.ok and block is not None and block.state is BlockState.READY:
+                if self.index.holds(block) and block.state is BlockState.READY:
                     self.outbox.answer(op, {key: self._stored(block, no_evict)})
                 else:
                     todo.append(key)  # the fill we waited for failed: fill from our source
@@ -212,26 +247,22 @@ class LocalG2:
         sources: Mapping[BlockKey, tuple[int, ...]],
         no_evict: bool,
         hints: Mapping[str, Any] | None,
-    ) -> list[tuple[BlockKey, Fill]]:
+    ) -> list[tuple[BlockKey, Block]]:
         now = trio.current_time()
         answers: dict[BlockKey, OpEntryResult] = {}
-        waits: list[tuple[BlockKey, Fill]] = []
+        waits: list[tuple[BlockKey, Block]] = []
         new: list[BlockKey] = []
         for key in keys:
             if not op.live(key):
                 continue
             block = self.index.get(key)
             if block is None:
-                meta = BlockMeta(key, self.memory.bytes_per_key, 0, None, _NONE)
-                action, _ = self._policy(
-                    "decide_ingest",
-                    (PlacementAction.COPY_TO, CacheTier.LOCAL_G2),
-                    meta,
-                    self.source_tier,
-                    False,
-                    hints,
-                    None,
-                )
+                action = _STORE[0]
+                if self._wants("decide_ingest"):
+                    meta = BlockMeta(key, self.memory.bytes_per_key, 0, None, _NONE)
+                    action, _ = self._policy(
+                        "decide_ingest", _STORE, meta, self.source_tier, False, hints, None
+                    )
                 if action is PlacementAction.DROP:
                     answers[key] = DROPPED
                 else:
@@ -241,7 +272,7 @@ class LocalG2:
                 self.index.rescore(block, self.score(block))
                 answers[key] = self._stored(block, no_evict)
             else:
-                waits.append((key, block.fill))
+                waits.append((key, block))
         granted = self.reserve(len(new), f"deposit op {op.handle}") if new else 0
         for key in new[granted:]:
             answers[key] = FAILED
@@ -266,12 +297,12 @@ class LocalG2:
     ) -> None:
         dst: list[int] = []
         src: list[int] = []
+        bases = self.memory.pool_base
+        filling = op.filling
         for block in blocks:
-            block.fill = Fill()
-            op.filling[block.key] = block
-            for pool, (slot, desc) in enumerate(zip(block.slots, sources[block.key])):
-                dst.append(self.memory.slot_desc(pool, slot))
-                src.append(desc)
+            filling[block.key] = block
+            dst.extend(base + slot for base, slot in zip(bases, block.slots))
+            src.extend(sources[block.key])
         nbytes = len(blocks) * self.memory.bytes_per_key
         keys = frozenset(b.key for b in blocks)
 
@@ -297,20 +328,19 @@ class LocalG2:
             if not self.index.holds(block):  # withdrawn while the transfer ran
                 self.index.release_slots(block)
                 continue
-            fill = block.fill
             if ok and op.live(block.key):
                 self.index.commit(block, self.score(block))
-                self._policy("on_ingest", None, self.meta(block), self.source_tier)
+                if self._wants("on_ingest"):
+                    self._policy("on_ingest", None, self.meta(block), self.source_tier)
                 answers[block.key] = self._stored(block, no_evict)
                 added.append(block.key)
-                fill.ok = True
             else:
                 # Failed, timed out or aborted: a late success never becomes a success,
                 # and the engine may already be reusing the source memory.
                 self.index.remove(block)
                 if op.live(block.key):
                     answers[block.key] = FAILED
-            fill.done.set()
+            fill_over(block)
         op.moved += len(added)
         if added:
             self.callbacks.inventory(InventoryEvent(tuple(added), CacheTier.LOCAL_G2, False))
@@ -327,8 +357,7 @@ class LocalG2:
             if block is None or not self.index.holds(block):
                 continue
             self.index.detach(block)
-            block.fill.ok = False
-            block.fill.done.set()
+            fill_over(block)
 
     # -- deliver ---------------------------------------------------------------------------
 
@@ -339,6 +368,7 @@ class LocalG2:
         now = trio.current_time()
         answers: dict[BlockKey, OpEntryResult] = {}
         claimed: list[Block] = []
+        bases = self.memory.pool_base
         dst: list[int] = []
         src: list[int] = []
         for key in op.keys:
@@ -350,9 +380,8 @@ class LocalG2:
                 continue
             self.claim(block, now)
             claimed.append(block)
-            for pool, (slot, desc) in enumerate(zip(block.slots, destinations[key])):
-                dst.append(desc)
-                src.append(self.memory.slot_desc(pool, slot))
+            dst.extend(destinations[key])
+            src.extend(base + slot for base, slot in zip(bases, block.slots))
         if answers:
             op.failure = op.failure or f"deliver: {len(answers)} keys are not in local G2"
         self.outbox.answer(op, answers)
@@ -431,7 +460,9 @@ class LocalG2:
             block.position = position
             block.last_access = anchor - position * 1e-9
             self.index.rescore(block, self.score(block))
-        self._policy("on_align_sequence", None, [self.meta(b) for b in blocks], use_current_time)
+        if self._wants("on_align_sequence"):
+            metas = [self.meta(b) for b in blocks]
+            self._policy("on_align_sequence", None, metas, use_current_time)
 
 
 CapacityCallback = Callable[[list[tuple[str, int]]], None]

@@ -49,11 +49,8 @@ class MemoryMap:
             self.regions[region.label] = (region, base)
             base += region.count
         self.descriptor_count = base
+        self.bytes_per_key = sum(self.block_sizes)
         self.region_mem_types = {r.mem_type for r in framework_regions}
-
-    @property
-    def bytes_per_key(self) -> int:
-        return sum(self.block_sizes)
 
     def slot_desc(self, pool: int, slot: int) -> int:
         return self.pool_base[pool] + slot

@@ -143,7 +143,6 @@ class Runtime:
                 leaked = not await self._quiesce()
                 root.cancel_scope.cancel()
         finally:
-            self.inbox.close()
             if leaked:
                 _LEAKED.append(transport)
                 self.log.error(
