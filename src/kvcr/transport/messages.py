@@ -1,0 +1,217 @@
+"""Peer control messages: kvcr's own wire protocol between workers. Pure code.
+
+Payload bytes never travel here; NIXL moves them. A message is one msgpack map
+``{"v": 1, "t": <type>, ...fields}``; every field is checked strictly (an int is an int,
+not a bool or a string), sizes are bounded, and anything else is a
+:class:`MessageError` naming the message type and the field. The receiver drops such a
+message with one log event per kind.
+
+Flow (destination-initiated pull, one control round trip)::
+
+    destination                                   source
+    Hello(md) ───────────────────────────────────▶ add_peer(md)
+             ◀───────────────────────────────────── HelloAck
+    Pull(req, keys, dst addrs) ──────────────────▶ claim G2 / pin engine memory
+             ◀═══════ one NIXL WRITE, notif=Written(req, indices) ═══
+             ◀───────────────────────────────────── Over(req)   (nothing written, or failed)
+    Probe(req, cancel) ──────────────────────────▶ (at the deadline)
+             ◀───────────────────────────────────── ProbeAck(req, state)
+
+Every message names its sender's endpoint (the reply address: the control channel does not
+say who sent what) and its sender's *incarnation*, a random 64-bit id drawn when an
+instance starts. A peer restarted at the same address has a new incarnation: operations
+aimed at the old one fail at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Union
+
+import attrs
+import cattrs
+import msgpack
+from cattrs.preconf.msgpack import make_converter
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 16 << 20
+MAX_KEYS = 65536
+MAX_KEY_BYTES = 1024
+MAX_ENDPOINT = 256
+U64 = 1 << 64
+
+
+class MessageError(ValueError):
+    """A control message that cannot be accepted; the text names the type and the field."""
+
+
+def _check_u64(_inst: object, attr: attrs.Attribute, value: int) -> None:
+    if not 0 <= value < U64:
+        raise ValueError(f"{attr.name} must be in [0, 2**64), got {value}")
+
+
+def _check_endpoint(_inst: object, attr: attrs.Attribute, value: str) -> None:
+    if not value or len(value) > MAX_ENDPOINT:
+        raise ValueError(f"{attr.name} must be 1..{MAX_ENDPOINT} characters")
+
+
+def _check_keys(_inst: object, attr: attrs.Attribute, value: list[bytes]) -> None:
+    if len(value) > MAX_KEYS:
+        raise ValueError(f"{attr.name} has {len(value)} entries, at most {MAX_KEYS}")
+    if any(not k or len(k) > MAX_KEY_BYTES for k in value):
+        raise ValueError(f"{attr.name}: every key must be 1..{MAX_KEY_BYTES} bytes")
+    if len(set(value)) != len(value):
+        raise ValueError(f"{attr.name}: keys must be unique")
+
+
+@attrs.frozen
+class Hello:
+    """The sender's NIXL agent metadata; answered by HelloAck."""
+
+    TYPE: ClassVar[str] = "hello"
+    sender: str = attrs.field(validator=_check_endpoint)
+    incarnation: int = attrs.field(validator=_check_u64)
+    agent: str = attrs.field(validator=_check_endpoint)
+    metadata: bytes = attrs.field(validator=attrs.validators.max_len(1 << 20))
+
+
+@attrs.frozen
+class HelloAck:
+    TYPE: ClassVar[str] = "hello_ack"
+    sender: str = attrs.field(validator=_check_endpoint)
+    incarnation: int = attrs.field(validator=_check_u64)
+    acked: int = attrs.field(validator=_check_u64)  # the incarnation whose metadata was added
+
+
+@attrs.frozen
+class Pull:
+    """Write these keys into these destination addresses (``dst[i]``: one (addr, nbytes)
+    per pool for ``keys[i]``)."""
+
+    TYPE: ClassVar[str] = "pull"
+    sender: str = attrs.field(validator=_check_endpoint)
+    incarnation: int = attrs.field(validator=_check_u64)
+    target: int = attrs.field(validator=_check_u64)  # the source incarnation it is meant for
+    req: int = attrs.field(validator=_check_u64)
+    keys: list[bytes] = attrs.field(validator=_check_keys)
+    dst: list[list[tuple[int, int]]]
+
+    def __attrs_post_init__(self) -> None:
+        if len(self.dst) != len(self.keys):
+            raise ValueError(f"dst has {len(self.dst)} entries for {len(self.keys)} keys")
+        for entry in self.dst:
+            for addr, nbytes in entry:
+                if not (0 < addr < U64 and 0 < nbytes < U64):
+                    raise ValueError("dst: addresses and sizes must be positive 64-bit ints")
+
+
+@attrs.frozen
+class Written:
+    """The NIXL notification of a finished write: which of the pull's keys were written."""
+
+    TYPE: ClassVar[str] = "written"
+    incarnation: int = attrs.field(validator=_check_u64)
+    req: int = attrs.field(validator=_check_u64)
+    indices: list[int]
+
+    def __attrs_post_init__(self) -> None:
+        if any(not 0 <= i < MAX_KEYS for i in self.indices):
+            raise ValueError(f"indices must be in [0, {MAX_KEYS})")
+
+
+@attrs.frozen
+class Over:
+    """The source is done with a pull without a (successful) write: nothing it holds can
+    touch the destination's memory any more."""
+
+    TYPE: ClassVar[str] = "over"
+    sender: str = attrs.field(validator=_check_endpoint)
+    incarnation: int = attrs.field(validator=_check_u64)
+    req: int = attrs.field(validator=_check_u64)
+    reason: str = attrs.field(validator=attrs.validators.max_len(512))
+
+
+@attrs.frozen
+class Probe:
+    """Where is this pull? With ``cancel``, the source drops it if it has not started."""
+
+    TYPE: ClassVar[str] = "probe"
+    sender: str = attrs.field(validator=_check_endpoint)
+    incarnation: int = attrs.field(validator=_check_u64)
+    req: int = attrs.field(validator=_check_u64)
+    cancel: bool
+
+
+PROBE_STATES = ("pending", "writing", "over")
+
+
+@attrs.frozen
+class ProbeAck:
+    TYPE: ClassVar[str] = "probe_ack"
+    sender: str = attrs.field(validator=_check_endpoint)
+    incarnation: int = attrs.field(validator=_check_u64)
+    req: int = attrs.field(validator=_check_u64)
+    state: str = attrs.field(validator=attrs.validators.in_(PROBE_STATES))
+
+
+Message = Union[Hello, HelloAck, Pull, Written, Over, Probe, ProbeAck]
+TYPES: dict[str, type] = {
+    cls.TYPE: cls for cls in (Hello, HelloAck, Pull, Written, Over, Probe, ProbeAck)
+}
+
+
+def _strict_converter() -> cattrs.Converter:
+    converter = make_converter(forbid_extra_keys=True)
+    for cls in (int, bytes, str, bool):
+
+        def hook(value: Any, _type: type, cls: type = cls) -> Any:
+            if type(value) is not cls:
+                raise TypeError(f"expected {cls.__name__}, got {type(value).__name__}")
+            return value
+
+        converter.register_structure_hook(cls, hook)
+    return converter
+
+
+_converter = _strict_converter()
+
+
+def encode(message: Message) -> bytes:
+    body = _converter.unstructure(message)
+    return msgpack.packb({"v": PROTOCOL_VERSION, "t": message.TYPE, **body}, use_bin_type=True)
+
+
+def decode(data: bytes) -> Message:
+    """Parse one message or raise MessageError naming what is wrong."""
+    if not isinstance(data, bytes):
+        raise MessageError(f"peer message: expected bytes, got {type(data).__name__}")
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise MessageError(f"peer message: {len(data)} bytes, at most {MAX_MESSAGE_BYTES}")
+    try:
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:
+        raise MessageError(f"peer message: not msgpack ({type(exc).__name__})") from None
+    if not isinstance(raw, dict):
+        raise MessageError(f"peer message: expected a map, got {type(raw).__name__}")
+    version, kind = raw.pop("v", None), raw.pop("t", None)
+    if version != PROTOCOL_VERSION:
+        raise MessageError(
+            f"peer message: protocol version {version!r}, expected {PROTOCOL_VERSION}"
+        )
+    cls = TYPES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise MessageError(f"peer message: unknown type {str(kind)[:40]!r}")
+    try:
+        return _converter.structure(raw, cls)
+    except Exception as exc:
+        raise MessageError(f"peer message {kind!r}: {_describe(exc)[:300]}") from None
+
+
+def _describe(exc: BaseException) -> str:
+    """The leaf reasons of a (possibly nested) cattrs validation error."""
+    if isinstance(exc, cattrs.BaseValidationError):
+        return "; ".join(_describe(inner) for inner in exc.exceptions)
+    if isinstance(exc, KeyError):
+        return f"missing field {exc.args[0]!r}"
+    if exc.args and isinstance(exc.args[0], str):
+        return exc.args[0]  # attrs validators add the Attribute as further args
+    return str(exc) or type(exc).__name__
