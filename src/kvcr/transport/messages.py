@@ -25,7 +25,7 @@ aimed at the old one fail at once.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
 
 import attrs
 import cattrs
@@ -153,7 +153,7 @@ class ProbeAck:
     state: str = attrs.field(validator=attrs.validators.in_(PROBE_STATES))
 
 
-Message = Union[Hello, HelloAck, Pull, Written, Over, Probe, ProbeAck]
+Message = Hello | HelloAck | Pull | Written | Over | Probe | ProbeAck
 TYPES: dict[str, type] = {
     cls.TYPE: cls for cls in (Hello, HelloAck, Pull, Written, Over, Probe, ProbeAck)
 }
