@@ -194,6 +194,9 @@ class KVCR:
             open_ops=self._open_ops,
             live_handles=self._live_handles,
             release_ids=itertools.count(time.time_ns() // 1000),
+            bindings=bindings,
+            remote_options=backend_configs.remote_fw_dram,
+            op_ids=lambda: next(self._op_ids),
             log=self._log,
         )
         self._view = self._runtime.index.view
@@ -202,6 +205,7 @@ class KVCR:
         self._hints = HintBook()
         self._key_adapter = bindings.key_adapter
         self._opportunistic = backend_configs.remote_fw_dram.opportunistic_query
+        self._eager_connect = backend_configs.remote_fw_dram.eager_ctrl_connect
         self._close_lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
@@ -299,6 +303,8 @@ class KVCR:
         self._log.debug(
             "hint_submitted", endpoint=hint.source_control_endpoint, blocks=len(hint.ordered_hashes)
         )
+        if self._eager_connect and self._bindings.framework_control is not None:
+            self._inbox.put(("connect", hint.source_control_endpoint))
 
     def discard_hint(self, request_id: str | None) -> None:
         self._check_open("discard_hint")
@@ -310,12 +316,35 @@ class KVCR:
         self._check_open("query")
         view = self._view
         answers = [view.get(key, MISS) for key in keys]
-        hint = self._hints.get(request_id) if len(self._hints) else None
-        if hint is not None and not self._hints.failed(request_id):
+        hint = self._live_hint(request_id)
+        if hint is not None:
             for i, answer in enumerate(answers):
                 if answer is MISS and self._hint_covers(hint, keys[i]):
                     answers[i] = REMOTE
         return answers
+
+    def _live_hint(self, request_id: object) -> Any:
+        """The request's hint, unless it failed (remote failures arrive from the runtime)."""
+        failed = self._outbox.failed_hints
+        while failed:
+            self._hints.mark_failed(failed.popleft())
+        if not len(self._hints):
+            return None
+        hint = self._hints.get(request_id)
+        return None if hint is None or self._hints.failed(request_id) else hint
+
+    def _remote(
+        self, request_id: object, keys: Iterable[BlockKey]
+    ) -> tuple[str, object, frozenset[BlockKey]] | None:
+        """Where the request's hint sends keys this instance does not hold, and which."""
+        if self._bindings.framework_control is None:
+            return None
+        hint = self._live_hint(request_id)
+        if hint is None:
+            return None
+        view = self._view
+        covered = frozenset(k for k in keys if k not in view and self._hint_covers(hint, k))
+        return (hint.source_control_endpoint, request_id, covered) if covered else None
 
     def _hint_covers(self, hint: Any, key: BlockKey) -> bool:
         if self._opportunistic:
@@ -360,7 +389,7 @@ class KVCR:
                 f"fetch: expected_layout {list(expected_layout)} differs from this instance's "
                 f"pool_layouts {self._config.pool_layouts}"
             )
-        return self._submit(("fetch",), key_list)
+        return self._submit(("fetch", self._remote(request_id, key_list)), key_list)
 
     def deliver(
         self, blocks: Mapping[BlockKey, list[MemoryRef]], request_id: str | None = None
@@ -368,7 +397,8 @@ class KVCR:
         self._check_open("deliver")
         destinations = self._resolve("deliver", blocks)
         refs = tuple(ref for key in destinations for ref in blocks[key])
-        return self._submit(("deliver", destinations, refs), list(destinations))
+        remote = self._remote(request_id, destinations)
+        return self._submit(("deliver", destinations, refs, remote), list(destinations))
 
     def release(self, handles: Iterable[ReleaseHandle]) -> list[ReleaseResult]:
         self._check_open("release")

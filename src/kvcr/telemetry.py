@@ -70,6 +70,19 @@ class Telemetry:
                 stats.increase_counter(TRANSFER_BLOCKS_METRIC, blocks, (scope,))
                 stats.increase_counter(TRANSFER_BYTES_METRIC, nbytes, (scope,))
 
+    def record(
+        self, scope: str, seconds: float, result: str, blocks: int = 0, nbytes: int = 0
+    ) -> None:
+        """One finished step with an explicit result label (peer setup, pin waits, writes)."""
+        if self._stats is None:
+            return
+        with self._lock:
+            stats = self._stats
+            stats.observe_histogram(DURATION_METRIC, seconds, (scope, result))
+            if blocks:
+                stats.increase_counter(TRANSFER_BLOCKS_METRIC, blocks, (scope,))
+                stats.increase_counter(TRANSFER_BYTES_METRIC, nbytes, (scope,))
+
     def snapshot(self) -> TelemetryStats | None:
         """Set the state gauges on the current interval, return it, start a fresh one."""
         if self._stats is None or self._factory is None:

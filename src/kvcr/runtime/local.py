@@ -136,6 +136,22 @@ class LocalG2:
     def _wants(self, hook: str) -> bool:
         return self._hooks[hook] is not None
 
+    def decide_ingest(
+        self,
+        meta: BlockMeta,
+        source: CacheTier,
+        required_local: bool,
+        default: tuple[PlacementAction, CacheTier | None],
+        hints: Mapping[str, Any] | None,
+    ) -> tuple[PlacementAction, CacheTier | None]:
+        if not self._wants("decide_ingest"):
+            return default
+        return self._policy("decide_ingest", default, meta, source, required_local, hints, None)
+
+    def ingested(self, block: Block, source: CacheTier) -> None:
+        if self._wants("on_ingest"):
+            self._policy("on_ingest", None, self.meta(block), source)
+
     # -- claims and release handles ----------------------------------------------------------
 
     def claim(self, block: Block, now: float) -> None:
@@ -260,9 +276,7 @@ class LocalG2:
                 action = _STORE[0]
                 if self._wants("decide_ingest"):
                     meta = BlockMeta(key, self.memory.bytes_per_key, 0, None, _NONE)
-                    action, _ = self._policy(
-                        "decide_ingest", _STORE, meta, self.source_tier, False, hints, None
-                    )
+                    action, _ = self.decide_ingest(meta, self.source_tier, False, _STORE, hints)
                 if action is PlacementAction.DROP:
                     answers[key] = DROPPED
                 else:
@@ -330,8 +344,7 @@ class LocalG2:
                 continue
             if ok and op.live(block.key):
                 self.index.commit(block, self.score(block))
-                if self._wants("on_ingest"):
-                    self._policy("on_ingest", None, self.meta(block), self.source_tier)
+                self.ingested(block, self.source_tier)
                 answers[block.key] = self._stored(block, no_evict)
                 added.append(block.key)
             else:
@@ -362,16 +375,19 @@ class LocalG2:
     # -- deliver ---------------------------------------------------------------------------
 
     async def deliver(
-        self, op: Operation, destinations: Mapping[BlockKey, tuple[int, ...]]
+        self,
+        op: Operation,
+        destinations: Mapping[BlockKey, tuple[int, ...]],
+        keys: Sequence[BlockKey],
     ) -> None:
-        await self.wait_fills(op.keys)
+        await self.wait_fills(keys)
         now = trio.current_time()
         answers: dict[BlockKey, OpEntryResult] = {}
         claimed: list[Block] = []
         bases = self.memory.pool_base
         dst: list[int] = []
         src: list[int] = []
-        for key in op.keys:
+        for key in keys:
             if not op.live(key):
                 continue
             block = self.index.get(key)
@@ -417,11 +433,11 @@ class LocalG2:
 
     # -- fetch -----------------------------------------------------------------------------
 
-    async def fetch(self, op: Operation) -> None:
-        await self.wait_fills(op.keys)
+    async def fetch(self, op: Operation, keys: Sequence[BlockKey]) -> None:
+        await self.wait_fills(keys)
         now = trio.current_time()
         answers: dict[BlockKey, OpEntryResult] = {}
-        for key in op.keys:
+        for key in keys:
             if not op.live(key):
                 continue
             block = self.index.get(key)
@@ -430,14 +446,18 @@ class LocalG2:
                 continue
             self.index.touch(block, now)
             self.index.rescore(block, self.score(block))
-            answers[key] = OpEntryResult(
-                OpEntryStatus.SUCCESS,
-                descriptors=[self.memory.slot_ref(p, s) for p, s in enumerate(block.slots)],
-                release_handle=self.hold(block),
-            )
+            answers[key] = self.claimed_entry(block)
         if len(answers) != sum(1 for a in answers.values() if a.success):
             op.failure = op.failure or "fetch: some keys are not in local G2"
         self.outbox.answer(op, answers)
+
+    def claimed_entry(self, block: Block) -> OpEntryResult:
+        """A fetch's success: where the block is, and the claim that keeps it there."""
+        return OpEntryResult(
+            OpEntryStatus.SUCCESS,
+            descriptors=[self.memory.slot_ref(p, s) for p, s in enumerate(block.slots)],
+            release_handle=self.hold(block),
+        )
 
     # -- alignment -------------------------------------------------------------------------
 

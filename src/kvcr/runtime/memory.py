@@ -10,6 +10,7 @@ Descriptor numbering: pools first, in ``pool_layouts`` order (slot ``s`` of pool
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 from kvcr.transport.base import Segment
@@ -50,7 +51,15 @@ class MemoryMap:
             base += region.count
         self.descriptor_count = base
         self.bytes_per_key = sum(self.block_sizes)
-        self.region_mem_types = {r.mem_type for r in framework_regions}
+        self._bases = [*self.pool_base, *(b for _, b in self.regions.values())]
+
+    def desc_range(self, index: int) -> tuple[int, int]:
+        """(address, bytes) of descriptor ``index``: what a peer writes into."""
+        if not 0 <= index < self.descriptor_count:
+            raise IndexError(f"descriptor {index} out of range ({self.descriptor_count})")
+        seg = bisect.bisect_right(self._bases, index) - 1
+        segment = self.segments[seg]
+        return segment.element_addr(index - self._bases[seg]), segment.element_size
 
     def slot_desc(self, pool: int, slot: int) -> int:
         return self.pool_base[pool] + slot

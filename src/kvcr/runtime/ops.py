@@ -43,8 +43,11 @@ class Operation:
     framework_destinations: tuple[MemoryRef, ...] = ()
     uncertain: bool = False
     filling: dict[BlockKey, object] = attrs.field(factory=dict)  # deposit: key -> Block
-    moved: int = 0  # keys whose bytes were transferred
-    succeeded: int = 0
+    moved: int = 0  # local keys whose bytes were transferred
+    moved_remote: int = 0  # keys a peer wrote
+    remote_keys: frozenset[BlockKey] = frozenset()  # keys asked of the hinted peer
+    remote_failed: bool = False  # a pull from the hinted peer got nothing
+    ok_keys: set[BlockKey] = attrs.field(factory=set)
     failure: str | None = None
 
     def live(self, key: BlockKey) -> bool:
@@ -58,6 +61,7 @@ class Outbox:
     def __init__(self, open_ops: dict[int, set[BlockKey]]) -> None:
         self.results: deque[OpResult] = deque()
         self.events: deque[Exception] = deque()
+        self.failed_hints: deque[object] = deque()  # request ids whose hint failed
         self._open_ops = open_ops
 
     def pending_set(self, handle: int) -> set[BlockKey]:
@@ -72,7 +76,7 @@ class Outbox:
         fresh = {k: v for k, v in entries.items() if k in op.pending}
         if not fresh:
             return
-        op.succeeded += sum(1 for v in fresh.values() if v.success)
+        op.ok_keys.update(k for k, v in fresh.items() if v.success)
         failed = [k for k, v in fresh.items() if v.status is OpEntryStatus.FAILED]
         if failed and any(not keys.isdisjoint(failed) for keys in op.xfers.values()):
             self._report_uncertain(op)

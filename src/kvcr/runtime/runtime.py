@@ -32,12 +32,16 @@ from kvcr.runtime.index import BlockIndex, SlotPool
 from kvcr.runtime.local import LocalG2
 from kvcr.runtime.memory import MemoryMap
 from kvcr.runtime.ops import FAILED, Operation, Outbox
-from kvcr.runtime.transfers import Transfers
+from kvcr.runtime.peers import Peers
+from kvcr.runtime.pins import Pins
+from kvcr.runtime.remote import Remote
+from kvcr.runtime.transfers import Transfers, Xfer
 from kvcr.telemetry import SCOPE_LOCAL_DELIVER, SCOPE_LOCAL_FETCH, SCOPE_LOCAL_FILL, Telemetry
 from kvcr.transport.base import Transport
 from kvcr.types import BlockKey, CacheTier, InventoryEvent
 
 SCOPES = {"deposit": SCOPE_LOCAL_FILL, "deliver": SCOPE_LOCAL_DELIVER, "fetch": SCOPE_LOCAL_FETCH}
+REMOTE_SCOPES = {"deliver": "remote_deliver", "fetch": "remote_fetch"}
 
 # Transports whose transfers never ended: kept referenced so their memory registrations
 # and agents are never torn down under a transfer that might still run.
@@ -82,8 +86,14 @@ class Runtime:
         open_ops: dict[int, set[BlockKey]],
         live_handles: set[int],
         release_ids: itertools.count,
+        bindings: Any,
+        remote_options: Any,
+        op_ids: Callable[[], int],
         log: Any,
     ) -> None:
+        self.bindings = bindings
+        self.remote_options = remote_options
+        self.op_ids = op_ids
         self.config = config
         self.memory = memory
         self.has_pools = has_pools
@@ -105,6 +115,8 @@ class Runtime:
         self.transport: Transport | None = None
         self.transfers: Transfers | None = None
         self.local: LocalG2 | None = None
+        self.peers: Peers | None = None
+        self.remote: Remote | None = None
         self.ops: dict[int, Operation] = {}
         self._ops_nursery: trio.Nursery | None = None
         self.closed = trio.Event()
@@ -134,6 +146,13 @@ class Runtime:
                 )
             async with trio.open_nursery() as root:
                 root.start_soon(self.transfers.run)
+                b = self.bindings
+                pins = Pins(
+                    b.request_pin, b.poll_pin_results, b.release_pin, b.cancel_pin_request, self.log
+                )
+                root.start_soon(pins.run)
+                if b.framework_control is not None:
+                    await self._start_peers(root, transport, pins)
                 async with trio.open_nursery() as ops:
                     self._ops_nursery = ops
                     task_status.started()
@@ -152,6 +171,37 @@ class Runtime:
             elif transport is not None:
                 transport.close()
             self.closed.set()
+
+    async def _start_peers(self, nursery: trio.Nursery, transport: Transport, pins: Pins) -> None:
+        channel = self.bindings.framework_control
+        initialize = getattr(channel, "initialize", None)
+        if callable(initialize):
+            initialize()  # idempotent on ZmqPeerControlChannel; binds if the adapter did not
+        assert self.transfers is not None
+        self.peers = Peers(
+            channel=channel,
+            transport=transport,
+            transfers=self.transfers,
+            memory=self.memory,
+            index=self.index,
+            local=self.local,
+            pins=pins,
+            outbox=self.outbox,
+            config=self.config,
+            retry_interval_s=self.remote_options.metadata_retry_interval_ms / 1000,
+            telemetry=self.telemetry,
+            op_ids=self.op_ids,
+            log=self.log,
+        )
+        self.remote = Remote(
+            peers=self.peers,
+            local=self.local,
+            memory=self.memory,
+            index=self.index,
+            outbox=self.outbox,
+            log=self.log,
+        )
+        await nursery.start(self.peers.run)
 
     async def _quiesce(self) -> bool:
         assert self.transfers is not None
@@ -181,6 +231,9 @@ class Runtime:
                     self.local.release(handle)
         elif name == "abort":
             self._abort(command[1], command[2])
+        elif name == "connect":
+            if self.peers is not None:
+                self.peers.link(command[1])
         elif name == "align":
             if self.local is not None:
                 self.local.align(command[1], command[2], trio.current_time())
@@ -202,23 +255,58 @@ class Runtime:
             deadline=now + self.config.operation_timeout_ms / 1000,
             abandon_at=now + self.config.abandon_timeout_ms / 1000,
         )
-        if self.local is None:
-            op.failure = f"{kind}: this instance has no local DRAM pools"
-            self.outbox.fail_pending(op, op.failure)
-            return
         if kind == "deposit":
             sources, no_evict, hints = args
             op.framework_sources = tuple(keys)
+            if self.local is None:
+                self.outbox.fail_pending(op, "deposit: this instance has no local DRAM pools")
+                return
             body = self.local.deposit(op, sources, no_evict, hints)
-        elif kind == "deliver":
-            destinations, refs = args
-            op.framework_destinations = refs
-            body = self.local.deliver(op, destinations)
         else:
-            body = self.local.fetch(op)
+            if kind == "deliver":
+                destinations, refs, remote = args
+                op.framework_destinations = refs
+            else:
+                destinations, remote = None, args[0]
+            body = self._read(op, destinations, remote)
         assert self._ops_nursery is not None
         self.ops[handle] = op
         self._ops_nursery.start_soon(self._run_op, op, body)
+
+    async def _read(
+        self,
+        op: Operation,
+        destinations: Any,
+        remote: tuple[str, object, frozenset[BlockKey]] | None,
+    ) -> None:
+        """deliver or fetch: keys in local G2 locally, keys the request's hint covers from
+        the hinted peer, both at once; other keys fail."""
+        resident = [k for k in op.keys if self.index.get(k) is not None]
+        remote_keys: list[BlockKey] = []
+        if remote is not None and self.remote is not None:
+            held = set(resident)
+            remote_keys = [k for k in op.keys if k not in held and k in remote[2]]
+        op.remote_keys = frozenset(remote_keys)
+        missing = set(op.keys).difference(resident, remote_keys)
+        if missing:
+            op.failure = f"{op.kind}: {len(missing)} keys are neither local nor covered by a hint"
+            self.outbox.answer(op, dict.fromkeys(missing, FAILED))
+        async with trio.open_nursery() as parts:
+            if resident and self.local is not None:
+                if op.kind == "deliver":
+                    parts.start_soon(self.local.deliver, op, destinations, resident)
+                else:
+                    parts.start_soon(self.local.fetch, op, resident)
+            elif resident:
+                self.outbox.answer(op, dict.fromkeys(resident, FAILED))
+            if remote_keys:
+                assert self.remote is not None and remote is not None
+                if op.kind == "deliver":
+                    parts.start_soon(self.remote.deliver, op, destinations, remote_keys, remote[0])
+                else:
+                    parts.start_soon(self.remote.fetch, op, remote_keys, remote[0])
+        if op.remote_failed and remote is not None:
+            self.outbox.failed_hints.append(remote[1])
 
     async def _run_op(self, op: Operation, body: Any) -> None:
         timed_out = False
@@ -236,32 +324,46 @@ class Runtime:
             self.outbox.fail_pending(op, op.failure or reason or f"{op.kind}: failed")
             self.ops.pop(op.handle, None)
             self._record(op)
-            if op.xfers and self._ops_nursery is not None and not self.closed.is_set():
+            if (
+                any(isinstance(x, Xfer) for x in op.xfers)
+                and self._ops_nursery is not None
+                and not self.closed.is_set()
+            ):
                 self._ops_nursery.start_soon(self._watch_abandoned, op)
 
     def _record(self, op: Operation) -> None:
-        moved = op.moved
-        self.telemetry.operation(
-            SCOPES[op.kind],
-            trio.current_time() - op.started,
-            op.succeeded,
-            len(op.keys),
-            moved * len(self.memory.block_sizes),
-            moved * self.memory.bytes_per_key,
-        )
-        if op.failure and op.succeeded < len(op.keys):
+        seconds = trio.current_time() - op.started
+        pools, per_key = len(self.memory.block_sizes), self.memory.bytes_per_key
+        local_keys = len(op.keys) - len(op.remote_keys)
+        if local_keys or not op.remote_keys:
+            ok = len(op.ok_keys - op.remote_keys)
+            self.telemetry.operation(
+                SCOPES[op.kind], seconds, ok, local_keys, op.moved * pools, op.moved * per_key
+            )
+        if op.remote_keys:
+            ok = len(op.ok_keys & op.remote_keys)
+            moved = op.moved_remote
+            self.telemetry.operation(
+                REMOTE_SCOPES[op.kind],
+                seconds,
+                ok,
+                len(op.remote_keys),
+                moved * pools,
+                moved * per_key,
+            )
+        if op.failure and len(op.ok_keys) < len(op.keys):
             self.log.info(
                 "op_failed",
                 op=op.handle,
                 kind=op.kind,
-                failed=len(op.keys) - op.succeeded,
+                failed=len(op.keys) - len(op.ok_keys),
                 reason=op.failure,
             )
 
     async def _watch_abandoned(self, op: Operation) -> None:
         with trio.move_on_at(op.abandon_at):
-            while op.xfers:
-                await next(iter(op.xfers)).done.wait()
+            while xfers := [x for x in op.xfers if isinstance(x, Xfer)]:
+                await xfers[0].done.wait()
             return
         self.log.warning(
             "transfer_abandoned",

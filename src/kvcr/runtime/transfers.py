@@ -61,7 +61,12 @@ class Transfers:
     ) -> Xfer:
         """Post a local copy. Raises TransportError if it could not be posted (then nothing
         is in flight and ``on_terminal`` is not called)."""
-        handle = self.transport.post_local_read(dst, src, what)
+        return self.track(self.transport.post_local_read(dst, src, what), what, nbytes, on_terminal)
+
+    def track(
+        self, handle: object, what: str, nbytes: int, on_terminal: Callable[[Xfer], None]
+    ) -> Xfer:
+        """Follow a posted transfer until it is terminal, then run ``on_terminal``."""
         xfer = Xfer(handle, what, nbytes, on_terminal=[on_terminal])
         self._in_flight.add(xfer)
         self._idle = trio.Event() if self._idle.is_set() else self._idle

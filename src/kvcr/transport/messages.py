@@ -80,6 +80,7 @@ class HelloAck:
     sender: str = attrs.field(validator=_check_endpoint)
     incarnation: int = attrs.field(validator=_check_u64)
     acked: int = attrs.field(validator=_check_u64)  # the incarnation whose metadata was added
+    agent: str = attrs.field(validator=_check_endpoint)  # the sender's NIXL agent name
 
 
 @attrs.frozen

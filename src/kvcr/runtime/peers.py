@@ -1,0 +1,589 @@
+"""Peer-to-peer reuse: both sides of a destination-initiated pull.
+
+Destination (the worker that wants blocks): says Hello to the source endpoint named by the
+request's router hint (NIXL metadata, retried every ``metadata_retry_interval_ms`` until
+acknowledged), then sends one Pull naming the keys and where to write them, and waits for
+the source's NIXL notification ``Written`` (or an ``Over`` control message when the source
+writes nothing). Source: claims the keys it holds in local G2, asks the engine to pin the
+others, and writes the whole batch in one NIXL WRITE whose notification names what was
+written. Claims and pins are released only when that write is terminal.
+
+Memory the source may write stays held until the source confirms that it is done with the
+pull: ``Written``, ``Over``, or a ``ProbeAck`` saying ``over``, or the source is known gone
+(a new incarnation answered at its endpoint). When an operation gives up earlier (its
+deadline, abort, close), its entries fail at once, the engine is told the memory is
+``uncertain`` (before the FAILED entries), the source is probed with ``cancel``, probed again
+at ``abandon_timeout_ms``, and ``quiesced`` follows the confirmation.
+
+The pull states, destination side (any other move is a bug)::
+
+    sent ──Written──▶ done
+      │ ──Over─────▶ done
+      │ ──deadline─▶ abandoned ──Written / Over / ProbeAck(over) / peer gone──▶ done
+      └──peer gone─▶ done
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import trio
+
+from kvcr.runtime.index import Block, BlockIndex, BlockState
+from kvcr.runtime.memory import MemoryMap
+from kvcr.runtime.ops import Operation, Outbox
+from kvcr.runtime.pins import Pin, Pins
+from kvcr.runtime.transfers import Transfers, Xfer
+from kvcr.transport import messages as m
+from kvcr.transport.base import TransportError
+from kvcr.types import (
+    BlockKey,
+    TransferError,
+)
+
+RECEIVE_POLL_S = 0.002  # only for control channels without a file descriptor
+BUSY_PROGRESS_S = 0.001
+IDLE_PROGRESS_S = 0.1
+
+
+@attrs.define(eq=False)
+class Link:
+    """What this instance knows of one remote endpoint it pulls from."""
+
+    endpoint: str
+    incarnation: int = 0  # the remote's, once it acknowledged our metadata
+    agent: str | None = None
+    ready: trio.Event = attrs.field(factory=trio.Event)
+    greeting: bool = False
+    pulls: dict[int, RemotePull] = attrs.field(factory=dict)
+
+
+@attrs.define(eq=False)
+class RemotePull:
+    req: int
+    link: Link
+    target: int
+    keys: list[BlockKey]
+    answered: trio.Event = attrs.field(factory=trio.Event)
+    over: trio.Event = attrs.field(factory=trio.Event)  # the source can no longer write
+    written: list[int] = attrs.field(factory=list)
+    reason: str = ""
+    abandoned: bool = False
+    on_over: list[Callable[[], None]] = attrs.field(factory=list)
+
+
+@attrs.define(eq=False)
+class SourceJob:
+    msg: m.Pull
+    agent: str
+    state: str = "pending"  # pending -> writing -> over
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    claims: list[Block] = attrs.field(factory=list)
+    pins: list[Pin] = attrs.field(factory=list)
+    xfer: Xfer | None = None
+    posted_at: float = 0.0
+
+
+class Peers:
+    def __init__(
+        self,
+        *,
+        channel: Any,
+        transport: Any,
+        transfers: Transfers,
+        memory: MemoryMap,
+        index: BlockIndex,
+        local: Any,
+        pins: Pins,
+        outbox: Outbox,
+        config: Any,
+        retry_interval_s: float,
+        telemetry: Any,
+        op_ids: Callable[[], int],
+        log: Any,
+    ) -> None:
+        self.channel = channel
+        self.endpoint: str | None = getattr(channel, "endpoint", None)
+        self.transport = transport
+        self.transfers = transfers
+        self.memory = memory
+        self.index = index
+        self.local = local
+        self.pins = pins
+        self.outbox = outbox
+        self.config = config
+        self.retry_interval_s = retry_interval_s
+        self.telemetry = telemetry
+        self.op_ids = op_ids
+        self.log = log
+        self.incarnation = int.from_bytes(os.urandom(8), "big") or 1
+        self.links: dict[str, Link] = {}
+        self.agents_by_incarnation: dict[int, str] = {}  # source side: destinations we know
+        self.jobs: dict[tuple[int, int], SourceJob] = {}  # (dst incarnation, req) -> job
+        self.stalled = False
+        self._reqs = itertools.count(1)
+        self._nursery: trio.Nursery | None = None
+        self._busy = trio.Event()
+        self._dropped: set[str] = set()
+
+    # -- plumbing --------------------------------------------------------------------------
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self._receive_loop)
+            nursery.start_soon(self._progress_loop)
+            task_status.started()
+
+    def _send(self, endpoint: str, message: m.Message) -> None:
+        try:
+            queued = self.channel.send(endpoint, m.encode(message))
+        except Exception as exc:
+            queued = False
+            self.log.warning("control_send_failed", to=endpoint, error=repr(exc))
+        if not queued:
+            self.log.info("control_not_queued", to=endpoint, type=message.TYPE)
+
+    def _drop(self, kind: str, detail: str) -> None:
+        """Bad input from a peer: one log event per kind, never a crash."""
+        if kind not in self._dropped:
+            self._dropped.add(kind)
+            self.log.warning("peer_message_dropped", kind=kind, detail=detail[:200])
+
+    async def _receive_loop(self) -> None:
+        fileno = getattr(self.channel, "fileno", None)
+        fd = fileno() if callable(fileno) else None
+        while True:
+            try:
+                batch = self.channel.recv()
+            except Exception as exc:
+                self.log.error("control_recv_failed", error=repr(exc))
+                batch = []
+            for raw in batch:
+                self._on_raw(raw)
+            if batch:
+                continue  # ZMQ's fd is edge-triggered: drain before waiting again
+            if fd is not None:
+                await trio.lowlevel.wait_readable(fd)
+            else:
+                await trio.sleep(RECEIVE_POLL_S)
+
+    async def _progress_loop(self) -> None:
+        """NIXL runs without its progress thread: call into it often while transfers or
+        pulls are pending, and now and then while peers are connected (connection setup
+        needs both sides to make progress)."""
+        while True:
+            busy = any(link.pulls for link in self.links.values()) or any(
+                job.state == "writing" for job in self.jobs.values()
+            )
+            if not busy and not self.links and not self.agents_by_incarnation:
+                self._busy = trio.Event()
+                await self._busy.wait()
+                continue
+            with trio.move_on_after(BUSY_PROGRESS_S if busy else IDLE_PROGRESS_S):
+                self._busy = trio.Event()
+                await self._busy.wait()
+                await trio.sleep(0)
+            self._poll_notifications()
+
+    def _wake(self) -> None:
+        self._busy.set()
+
+    def _poll_notifications(self) -> None:
+        try:
+            notes = self.transport.notifications()
+        except Exception as exc:
+            self.log.error("nixl_notifications_failed", error=repr(exc))
+            return
+        for sender, raw in notes:
+            try:
+                message = m.decode(raw)
+            except m.MessageError as exc:
+                self._drop("bad_notification", str(exc))
+                continue
+            if isinstance(message, m.Written):
+                self._on_written(sender, message)
+            else:
+                self._drop("unexpected_notification", message.TYPE)
+
+    def _on_raw(self, raw: bytes) -> None:
+        try:
+            message = m.decode(raw)
+        except m.MessageError as exc:
+            self._drop("bad_message", str(exc))
+            return
+        handler = {
+            m.Hello: self._on_hello,
+            m.HelloAck: self._on_hello_ack,
+            m.Pull: self._on_pull,
+            m.Over: self._on_over,
+            m.Probe: self._on_probe,
+            m.ProbeAck: self._on_probe_ack,
+        }.get(type(message))
+        if handler is None:
+            self._drop("unexpected_message", message.TYPE)
+            return
+        try:
+            handler(message)
+        except Exception as exc:  # a bug in one handler must not take the instance down
+            self.log.exception("peer_handler_failed", type=message.TYPE, error=repr(exc))
+
+    # -- destination: links ------------------------------------------------------------------
+
+    def link(self, endpoint: str) -> Link:
+        """The link to ``endpoint``, greeting it if it is not set up (eager or lazy)."""
+        link = self.links.get(endpoint)
+        if link is None:
+            link = self.links[endpoint] = Link(endpoint)
+        if not link.ready.is_set() and not link.greeting and self._nursery is not None:
+            link.greeting = True
+            self._nursery.start_soon(self._greet, link)
+            self._wake()
+        return link
+
+    async def _greet(self, link: Link) -> None:
+        started = trio.current_time()
+        try:
+            hello = m.Hello(
+                self.endpoint,
+                self.incarnation,
+                self.transport.agent_name,
+                self.transport.metadata(),
+            )
+            while not link.ready.is_set():
+                self._send(link.endpoint, hello)
+                with trio.move_on_after(self.retry_interval_s):
+                    await link.ready.wait()
+        finally:
+            link.greeting = False
+        self.telemetry.record("peer_setup", trio.current_time() - started, "success")
+
+    def _on_hello_ack(self, msg: m.HelloAck) -> None:
+        link = self.links.get(msg.sender)
+        if link is None or msg.acked != self.incarnation:
+            self._drop("stale_hello_ack", msg.sender)
+            return
+        self._note_incarnation(link, msg.incarnation)
+        link.agent = msg.agent
+        link.ready.set()
+
+    def _note_incarnation(self, link: Link, incarnation: int) -> bool:
+        """True if ``incarnation`` is the link's; a different one means the peer restarted:
+        pulls aimed at the old one end now (that process can no longer write)."""
+        if link.incarnation == incarnation:
+            return True
+        if link.incarnation:
+            self.log.info("peer_restarted", endpoint=link.endpoint, pulls=len(link.pulls))
+            for pull in list(link.pulls.values()):
+                self._finish_pull(pull, [], "the source restarted", over=True)
+            link.ready = trio.Event()
+            link.agent = None
+        link.incarnation = incarnation
+        return False
+
+    # -- destination: pulls ------------------------------------------------------------------
+
+    async def pull(
+        self, op: Operation, endpoint: str, keys: list[BlockKey], dst: list[list[tuple[int, int]]]
+    ) -> RemotePull:
+        """Send one pull once the link is ready; the caller waits on ``answered``. The pull
+        is registered in ``op.xfers`` until the source can no longer write."""
+        if self.endpoint is None:
+            raise TransportError(
+                f"{op.kind} op {op.handle}: the control channel has no endpoint to be answered at"
+            )
+        link = self.link(endpoint)
+        await link.ready.wait()
+        pull = RemotePull(next(self._reqs), link, link.incarnation, keys)
+        link.pulls[pull.req] = pull
+        op.xfers[pull] = frozenset(keys)
+        pull.on_over.append(lambda: self.outbox.xfer_terminal(op, pull))
+        self._send(
+            endpoint,
+            m.Pull(self.endpoint, self.incarnation, link.incarnation, pull.req, keys, dst),
+        )
+        self._wake()
+        return pull
+
+    def abandon(self, op: Operation, pull: RemotePull) -> None:
+        """The operation gave up on ``pull`` while the source may still write."""
+        if pull.over.is_set() or pull.abandoned:
+            return
+        pull.abandoned = True
+        self._send(pull.link.endpoint, m.Probe(self.endpoint, self.incarnation, pull.req, True))
+        assert self._nursery is not None
+        self._nursery.start_soon(self._watch_abandoned, op, pull)
+
+    async def _watch_abandoned(self, op: Operation, pull: RemotePull) -> None:
+        with trio.move_on_at(op.abandon_at):
+            await pull.over.wait()
+            return
+        self.log.warning(
+            "pull_abandoned",
+            op=op.handle,
+            endpoint=pull.link.endpoint,
+            reason="no confirmation from the source by abandon_timeout_ms; memory stays held",
+        )
+        self._send(pull.link.endpoint, m.Probe(self.endpoint, self.incarnation, pull.req, True))
+
+    def _find_pull(self, endpoint: str, incarnation: int, req: int) -> RemotePull | None:
+        link = self.links.get(endpoint)
+        if link is None:
+            return None
+        if not self._note_incarnation(link, incarnation):
+            return link.pulls.get(req) if link.incarnation == incarnation else None
+        return link.pulls.get(req)
+
+    def _on_written(self, sender: str, msg: m.Written) -> None:
+        pull = None
+        for link in self.links.values():
+            if link.agent == sender and link.incarnation == msg.incarnation:
+                pull = link.pulls.get(msg.req)
+                break
+        if pull is None:
+            self._drop("unknown_written", f"{sender} req {msg.req}")
+            return
+        if any(i >= len(pull.keys) for i in msg.indices):
+            self._drop("bad_written", f"{sender} req {msg.req}: index out of range")
+            pull.reason = "the source named keys it was not asked for"
+            msg = m.Written(msg.incarnation, msg.req, [])
+        self._finish_pull(pull, sorted(set(msg.indices)), pull.reason or "", over=True)
+
+    def _on_over(self, msg: m.Over) -> None:
+        link = self.links.get(msg.sender)
+        if link is not None and link.incarnation and link.incarnation != msg.incarnation:
+            self._note_incarnation(link, msg.incarnation)
+            return
+        pull = self._find_pull(msg.sender, msg.incarnation, msg.req)
+        if pull is None:
+            self._drop("unknown_over", f"{msg.sender} req {msg.req}")
+            return
+        self._finish_pull(pull, [], msg.reason, over=True)
+
+    def _on_probe_ack(self, msg: m.ProbeAck) -> None:
+        pull = self._find_pull(msg.sender, msg.incarnation, msg.req)
+        if pull is None:
+            return  # the pull ended meanwhile: a late answer is normal
+        if msg.state == "over":
+            self._finish_pull(pull, [], pull.reason or "the source dropped the pull", over=True)
+
+    def _finish_pull(self, pull: RemotePull, written: list[int], reason: str, over: bool) -> None:
+        if not pull.answered.is_set():
+            pull.written = written
+            pull.reason = reason
+            pull.answered.set()
+        if over and not pull.over.is_set():
+            pull.link.pulls.pop(pull.req, None)
+            pull.over.set()
+            for callback in pull.on_over:
+                callback()
+
+    # -- source ------------------------------------------------------------------------------
+
+    def _on_hello(self, msg: m.Hello) -> None:
+        try:
+            agent = self.transport.add_peer(msg.metadata)
+        except Exception as exc:
+            self._drop("bad_metadata", f"{msg.sender}: {exc}")
+            return
+        for incarnation, name in list(self.agents_by_incarnation.items()):
+            if name == agent and incarnation != msg.incarnation:
+                del self.agents_by_incarnation[incarnation]  # that process is gone
+        self.agents_by_incarnation[msg.incarnation] = agent
+        self._send(
+            msg.sender,
+            m.HelloAck(
+                self._my_endpoint(), self.incarnation, msg.incarnation, self.transport.agent_name
+            ),
+        )
+        self._wake()
+
+    def _my_endpoint(self) -> str:
+        return self.endpoint or "unknown"
+
+    def _on_pull(self, msg: m.Pull) -> None:
+        key = (msg.incarnation, msg.req)
+        if key in self.jobs:
+            self._drop("duplicate_pull", f"{msg.sender} req {msg.req}")
+            return
+        reason = None
+        agent = self.agents_by_incarnation.get(msg.incarnation)
+        if msg.target != self.incarnation:
+            reason = "the pull was meant for another incarnation of this source"
+        elif agent is None:
+            reason = "no metadata from this destination incarnation: say hello first"
+        elif self.stalled:
+            reason = "this source's transfers are stalled; it refuses new writes"
+        elif self.local is None and not self.memory.regions:
+            reason = "this source has neither pools nor framework regions"
+        if reason is not None:
+            self._send(msg.sender, m.Over(self._my_endpoint(), self.incarnation, msg.req, reason))
+            return
+        job = SourceJob(msg, agent)
+        self.jobs[key] = job
+        assert self._nursery is not None
+        self._nursery.start_soon(self._serve, job)
+
+    def _on_probe(self, msg: m.Probe) -> None:
+        job = self.jobs.get((msg.incarnation, msg.req))
+        state = job.state if job is not None else "over"
+        if job is not None and state == "pending" and msg.cancel:
+            job.scope.cancel()
+            state = "over"
+        self._send(msg.sender, m.ProbeAck(self._my_endpoint(), self.incarnation, msg.req, state))
+
+    async def _serve(self, job: SourceJob) -> None:
+        msg = job.msg
+        started = trio.current_time()
+        job.scope.deadline = started + self.config.operation_timeout_ms / 1000
+        src: list[int] = []
+        dst: list[tuple[int, int]] = []
+        indices: list[int] = []
+        with job.scope:
+            wanted = self._claim_local(job)
+            missing = [i for i in range(len(msg.keys)) if i not in wanted]
+            if missing:
+                pin_started = trio.current_time()
+                pin = await self.pins.pin([msg.keys[i] for i in missing])
+                self.telemetry.record(
+                    "framework_pin_wait",
+                    trio.current_time() - pin_started,
+                    "success" if pin is not None else "failed",
+                )
+                if pin is not None:
+                    job.pins.append(pin)
+                    for i in missing:
+                        refs = pin.refs.get(msg.keys[i])
+                        descs = self._resolve_pinned(refs) if refs is not None else None
+                        if descs is not None:
+                            wanted[i] = descs
+            for i in sorted(wanted):
+                pairs = self._pairs(wanted[i], msg.dst[i])
+                if pairs is None:
+                    self._drop("bad_destination", f"req {msg.req}: sizes do not match key {i}")
+                    continue
+                indices.append(i)
+                src.extend(wanted[i])
+                dst.extend(pairs)
+        if job.scope.cancelled_caught or not indices:
+            reason = "cancelled" if job.scope.cancelled_caught else "none of the keys is here"
+            self._end_job(job, reason)
+            return
+        self._write(job, src, dst, indices, started)
+
+    def _claim_local(self, job: SourceJob) -> dict[int, list[int]]:
+        wanted: dict[int, list[int]] = {}
+        if self.local is None:
+            return wanted
+        now = trio.current_time()
+        for i, key in enumerate(job.msg.keys):
+            block = self.index.get(key)
+            if block is not None and block.state is BlockState.READY:
+                self.local.claim(block, now)
+                job.claims.append(block)
+                wanted[i] = [self.memory.slot_desc(p, s) for p, s in enumerate(block.slots)]
+        return wanted
+
+    def _resolve_pinned(self, refs: object) -> list[int] | None:
+        try:
+            return list(self.memory.resolve_key("pin result", 0, b"", refs))
+        except ValueError as exc:
+            self._drop("bad_pin_refs", str(exc))
+            return None
+
+    def _pairs(self, src: list[int], dst: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
+        if len(src) != len(dst):
+            return None
+        for index, (_addr, nbytes) in zip(src, dst):
+            if self.memory.desc_range(index)[1] != nbytes:
+                return None
+        return [(addr, nbytes) for addr, nbytes in dst]
+
+    def _write(
+        self,
+        job: SourceJob,
+        src: list[int],
+        dst: list[tuple[int, int]],
+        indices: list[int],
+        started: float,
+    ) -> None:
+        msg = job.msg
+        what = f"source write req {msg.req} to {job.agent}"
+        notif = m.encode(m.Written(self.incarnation, msg.req, indices))
+        nbytes = sum(n for _, n in dst)
+
+        def terminal(xfer: Xfer) -> None:
+            now = trio.current_time()
+            result = "success" if xfer.ok else "failed"
+            self.telemetry.record("transfer", now - job.posted_at, result)
+            moved = (len(dst), nbytes) if xfer.ok else (0, 0)
+            self.telemetry.record("source_write", now - started, result, *moved)
+            self._end_job(job, None if xfer.ok else "the write failed")
+
+        try:
+            handle = self.transport.post_write(src, dst, job.agent, notif, what)
+        except TransportError as exc:
+            self._end_job(job, str(exc))
+            return
+        job.state = "writing"
+        job.posted_at = trio.current_time()
+        job.xfer = self.transfers.track(handle, what, nbytes, terminal)
+        if job.state == "writing":
+            assert self._nursery is not None
+            self._nursery.start_soon(self._watch_write, job)
+        self._wake()
+
+    async def _watch_write(self, job: SourceJob) -> None:
+        """A write running past the operation timeout stalls this source; past the abandon
+        timeout, the engine's pinned memory is reported uncertain until it is terminal."""
+        assert job.xfer is not None
+        op_s = self.config.operation_timeout_ms / 1000
+        with trio.move_on_at(job.posted_at + op_s):
+            await job.xfer.done.wait()
+            return
+        if not self.stalled:
+            self.stalled = True
+            self.log.warning("source_stalled", agent=job.agent, req=job.msg.req)
+        with trio.move_on_at(job.posted_at + self.config.abandon_timeout_ms / 1000):
+            await job.xfer.done.wait()
+        if job.xfer.done.is_set():
+            return
+        handle = self.op_ids()
+        if job.pins:
+            self.outbox.events.append(self._source_error(job, handle, "uncertain"))
+        await job.xfer.done.wait()
+        if job.pins:
+            self.outbox.events.append(self._source_error(job, handle, "quiesced"))
+
+    def _source_error(self, job: SourceJob, handle: int, state: str) -> TransferError:
+        keys = tuple(job.msg.keys[i] for i in range(len(job.msg.keys)))
+        return TransferError(
+            f"source write req {job.msg.req} to {job.agent}: still running past abandon_timeout_ms",
+            handle,
+            state=state,
+            source_blocks=keys,
+            source_owners=("framework",),
+        )
+
+    def _end_job(self, job: SourceJob, reason: str | None) -> None:
+        """The write is over (or never happened): release claims and pins, tell the
+        destination when it will get no notification."""
+        job.state = "over"
+        for block in job.claims:
+            self.local.unclaim(block)
+        job.claims.clear()
+        for pin in job.pins:
+            self.pins.release(pin)
+        job.pins.clear()
+        self.jobs.pop((job.msg.incarnation, job.msg.req), None)
+        if reason is not None:
+            self._send(
+                job.msg.sender, m.Over(self._my_endpoint(), self.incarnation, job.msg.req, reason)
+            )
+        if self.stalled and not any(j.state == "writing" for j in self.jobs.values()):
+            self.stalled = False
+            self.log.info("source_recovered")

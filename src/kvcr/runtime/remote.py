@@ -1,0 +1,171 @@
+"""Destination side of peer reuse: ``deliver`` into engine memory and ``fetch`` into local
+G2 from the peer a router hint names.
+
+Both send one pull (see ``peers.py``) and wait for the source's answer under the
+operation's deadline. A partial answer is normal: the keys the source wrote succeed, the
+rest fail. If the operation gives up first, the pull is abandoned: memory the source may
+still write stays held (engine memory is reported ``uncertain``; fetch slots stay
+quarantined) until the source confirms it is over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import trio
+
+from kvcr.runtime.index import BlockIndex
+from kvcr.runtime.local import LocalG2, fill_over
+from kvcr.runtime.memory import MemoryMap
+from kvcr.runtime.ops import DROPPED, FAILED, SUCCESS, Operation, Outbox
+from kvcr.runtime.peers import Peers, RemotePull
+from kvcr.transport.base import TransportError
+from kvcr.types import (
+    BlockKey,
+    BlockMeta,
+    CacheTier,
+    InventoryEvent,
+    OpEntryResult,
+    PlacementAction,
+)
+
+_STORE = (PlacementAction.COPY_TO, CacheTier.LOCAL_G2)
+
+
+class Remote:
+    def __init__(
+        self,
+        *,
+        peers: Peers,
+        local: LocalG2 | None,
+        memory: MemoryMap,
+        index: BlockIndex,
+        outbox: Outbox,
+        log: Any,
+    ) -> None:
+        self.peers = peers
+        self.local = local
+        self.memory = memory
+        self.index = index
+        self.outbox = outbox
+        self.log = log
+
+    async def _pull(
+        self,
+        op: Operation,
+        endpoint: str,
+        keys: list[BlockKey],
+        dst: list[list[tuple[int, int]]],
+        sent: list[RemotePull],
+        on_over: Any = None,
+    ) -> RemotePull | None:
+        """Send the pull and wait for its answer; None if it could not be sent. ``sent``
+        receives the pull once it is on its way (then the source may write)."""
+        try:
+            pull = await self.peers.pull(op, endpoint, keys, dst)
+        except TransportError as exc:
+            op.failure = str(exc)
+            return None
+        sent.append(pull)
+        if on_over is not None:
+            pull.on_over.append(on_over)
+        try:
+            await pull.answered.wait()
+        finally:
+            if not pull.over.is_set():
+                self.peers.abandon(op, pull)
+        if not pull.written:
+            op.failure = op.failure or f"{op.kind}: the source had none of the keys ({pull.reason})"
+            op.remote_failed = True
+        return pull
+
+    async def deliver(
+        self,
+        op: Operation,
+        destinations: Mapping[BlockKey, tuple[int, ...]],
+        keys: Sequence[BlockKey],
+        endpoint: str,
+    ) -> None:
+        keys = [k for k in keys if op.live(k)]
+        dst = [[self.memory.desc_range(d) for d in destinations[k]] for k in keys]
+        pull = await self._pull(op, endpoint, keys, dst, [])
+        written = {keys[i] for i in pull.written} if pull is not None else set()
+        answers = {k: SUCCESS if k in written else FAILED for k in keys if op.live(k)}
+        op.moved_remote += sum(1 for a in answers.values() if a.success)
+        self.outbox.answer(op, answers)
+
+    async def fetch(self, op: Operation, keys: Sequence[BlockKey], endpoint: str) -> None:
+        local = self.local
+        if local is None:
+            op.failure = "fetch: this instance has no local DRAM pools to fetch into"
+            self.outbox.answer(op, dict.fromkeys(keys, FAILED))
+            return
+        answers: dict[BlockKey, OpEntryResult] = {}
+        accepted: list[BlockKey] = []
+        for key in keys:
+            if not op.live(key):
+                continue
+            meta = BlockMeta(key, self.memory.bytes_per_key, 0, None, frozenset())
+            action, _ = local.decide_ingest(meta, CacheTier.REMOTE_G2, True, _STORE, None)
+            if action is PlacementAction.DROP:
+                answers[key] = DROPPED
+            elif self.index.get(key) is not None:
+                answers[key] = FAILED  # filled meanwhile by someone else: not ours to claim
+            else:
+                accepted.append(key)
+        granted = local.reserve(len(accepted), f"fetch op {op.handle}") if accepted else 0
+        for key in accepted[granted:]:
+            answers[key] = FAILED
+        self.outbox.answer(op, answers)
+        now = trio.current_time()
+        blocks = [self.index.add_filling(key, now) for key in accepted[:granted]]
+        if not blocks:
+            return
+        for block in blocks:
+            op.filling[block.key] = block
+        dst = [
+            [self.memory.desc_range(self.memory.slot_desc(p, s)) for p, s in enumerate(b.slots)]
+            for b in blocks
+        ]
+        keys = [b.key for b in blocks]
+        released: set[int] = set()
+
+        def free_withdrawn() -> None:
+            # The source can no longer write: slots of records the operation gave up on
+            # (withdrawn from the index) are free again.
+            for block in blocks:
+                if not self.index.holds(block) and id(block) not in released:
+                    released.add(id(block))
+                    self.index.release_slots(block)
+
+        sent: list[RemotePull] = []
+        try:
+            pull = await self._pull(op, endpoint, keys, dst, sent, free_withdrawn)
+        finally:
+            if not sent:  # never asked for: nothing can write these slots
+                for block in blocks:
+                    if self.index.holds(block):
+                        self.index.remove(block)
+                        fill_over(block)
+        written = {keys[i] for i in pull.written} if pull is not None else set()
+        answers = {}
+        added: list[BlockKey] = []
+        for block in blocks:
+            op.filling.pop(block.key, None)
+            if pull is None or not self.index.holds(block):
+                continue  # withdrawn: free_withdrawn frees it once the source is over
+            if block.key in written and op.live(block.key):
+                self.index.commit(block, local.score(block))
+                local.ingested(block, CacheTier.REMOTE_G2)
+                answers[block.key] = local.claimed_entry(block)
+                added.append(block.key)
+            else:
+                self.index.remove(block)  # the pull is over: nothing writes these slots
+                if op.live(block.key):
+                    answers[block.key] = FAILED
+            fill_over(block)
+        op.moved_remote += len(added)
+        if added:
+            local.callbacks.inventory(InventoryEvent(tuple(added), CacheTier.LOCAL_G2, False))
+        self.outbox.answer(op, answers)

@@ -1,0 +1,169 @@
+"""Two or more KVCR instances in one trio loop, joined by the fake fabric and control hub.
+
+For deterministic peer tests under MockClock: each worker is an ``EngineSim`` with its own
+fake NIXL agent and control endpoint; the engine's pin bindings serve keys from the
+engine's own region (``engine_has``) and can be told to hold answers back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import trio
+
+from engine_sim import EngineSim, Recorder
+from kvcr.config import KVCRBackendConfigs, RemoteFWDramOptions
+from kvcr.runtime.harness import kvcr_in_loop
+from kvcr.transport.fake import FakeControlHub, FakeFabric, FakeTransport
+from kvcr.types import BlockKey, MemoryRef
+
+
+def key(i: int) -> BlockKey:
+    return BlockKey(i.to_bytes(8, "big"))
+
+
+class IntKeys:
+    def encode(self, framework_key: int) -> BlockKey:
+        return key(framework_key)
+
+    def decode(self, k: BlockKey) -> int:
+        return int.from_bytes(k, "big")
+
+
+class EnginePins:
+    """The engine side of request_pin / poll_pin_results / release_pin."""
+
+    def __init__(self, engine: EngineSim) -> None:
+        self.engine = engine
+        self.engine_has: dict[BlockKey, int] = {}  # key -> element of the engine's regions
+        self.hold_back = False
+        self.release_refusals = 0
+        self.requests: dict[int, list[BlockKey]] = {}
+        self.answered: set[int] = set()
+        self.cancelled: list[int] = []
+        self.pinned: set[str] = set()
+        self.released: list[str] = []
+        self._next = 1
+
+    def request_pin(self, keys: list[BlockKey]) -> int:
+        request = self._next
+        self._next += 1
+        self.requests[request] = list(keys)
+        return request
+
+    def poll_pin_results(self) -> list[tuple[int, Any]]:
+        if self.hold_back:
+            return []
+        out = []
+        for request, keys in self.requests.items():
+            if request in self.answered or request in self.cancelled:
+                continue
+            self.answered.add(request)
+            refs = {
+                k: self.engine.refs(self.engine_has[k]) if k in self.engine_has else None
+                for k in keys
+            }
+            if all(v is None for v in refs.values()):
+                out.append((request, None))
+                continue
+            handle = f"pin-{request}"
+            self.pinned.add(handle)
+            out.append((request, (handle, refs)))
+        return out
+
+    def release_pin(self, handle: str) -> bool:
+        if self.release_refusals:
+            self.release_refusals -= 1
+            return False
+        self.pinned.discard(handle)
+        self.released.append(handle)
+        return True
+
+    def cancel_pin_request(self, request: int) -> None:
+        self.cancelled.append(request)
+
+
+class Worker:
+    def __init__(self, world: World, name: str, eager: bool = True, **engine_kw: Any) -> None:
+        self.world = world
+        engine_kw.setdefault("operation_timeout_ms", 1000)
+        engine_kw.setdefault("abandon_timeout_ms", 3000)
+        self.engine = EngineSim(name=name, **engine_kw)
+        self.endpoint = f"tcp://{name}:5555"
+        self.recorder = Recorder()
+        self.pins = EnginePins(self.engine)
+        self.eager = eager
+        self.kv: Any = None
+        self.transport: FakeTransport | None = None
+
+    def bindings(self) -> Any:
+        return self.recorder.bindings(
+            request_pin=self.pins.request_pin,
+            poll_pin_results=self.pins.poll_pin_results,
+            release_pin=self.pins.release_pin,
+            cancel_pin_request=self.pins.cancel_pin_request,
+            framework_control=self.world.hub.channel(self.endpoint),
+            key_adapter=IntKeys(),
+        )
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[Any]:
+        backends = KVCRBackendConfigs(
+            framework_regions=self.engine.backend_configs.framework_regions,
+            local_dram=self.engine.backend_configs.local_dram,
+            remote_fw_dram=RemoteFWDramOptions(eager_ctrl_connect=self.eager),
+        )
+
+        def transport() -> FakeTransport:
+            self.transport = FakeTransport(self.engine.name, trio.current_time, self.world.fabric)
+            return self.transport
+
+        async with kvcr_in_loop(self.engine.config, self.bindings(), backends, transport) as kv:
+            self.kv = kv
+            yield kv
+
+    def refs(self, element: int) -> list[MemoryRef]:
+        return self.engine.refs(element)
+
+    def hint(self, source: Worker, keys: list[int]) -> dict:
+        return {
+            "protocol_version": "0.1",
+            "message_id": 1,
+            "actions": [
+                {
+                    "action_id": 1,
+                    "action_type": "kv.fetch",
+                    "action_version": "1.0",
+                    "payload": {"source_control_endpoint": source.endpoint, "block_hashes": keys},
+                }
+            ],
+        }
+
+    async def deposit(self, pairs: list[tuple[int, int]]) -> dict:
+        handle = self.kv.deposit({key(k): self.refs(e) for k, e in pairs})
+        return self.engine.statuses(await self.engine.await_op(self.kv, handle, len(pairs)))
+
+    async def deliver(self, pairs: list[tuple[int, int]], request_id: str = "r") -> dict:
+        handle = self.kv.deliver({key(k): self.refs(e) for k, e in pairs}, request_id=request_id)
+        return await self.engine.await_op(self.kv, handle, len(pairs))
+
+    def events(self) -> list[tuple[int, str]]:
+        return [(e.op_handle, e.state) for e in self.recorder.resilience]
+
+
+class World:
+    def __init__(self) -> None:
+        self.fabric = FakeFabric()
+        self.hub = FakeControlHub()
+
+    def sent(self, kind: str) -> list[Any]:
+        from kvcr.transport import messages
+
+        out = []
+        for _endpoint, raw in self.hub.sent:
+            message = messages.decode(raw)
+            if kind == message.TYPE:
+                out.append(message)
+        return out

@@ -1,0 +1,335 @@
+"""Peer-to-peer reuse on the fake fabric under MockClock: the protocol and every deadline path.
+
+Worker ``a`` is the source a router hint names; worker ``b`` is the destination. Both run in
+the test's trio loop; their NIXL agents are fake transports on one fabric and their control
+channels are in-memory channels on one hub, so drops, stalls and restarts are exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from kvcr.transport import messages as m
+from kvcr.types import CacheTier, QueryStatus
+from peer_world import Worker, World, key
+
+REMOTE = (QueryStatus.FETCHABLE, CacheTier.REMOTE_G2)
+HIT = (QueryStatus.HIT, CacheTier.LOCAL_G2)
+MISS = (QueryStatus.MISS, None)
+
+
+def statuses(entries: dict) -> dict:
+    return {k: v.status.value for k, v in entries.items()}
+
+
+async def test_a_hinted_deliver_pulls_kvcr_owned_blocks_byte_exact(autojump_clock):
+    world = World()
+    a, b = Worker(world, "a"), Worker(world, "b")
+    async with a.running(), b.running():
+        for i in range(3):
+            a.engine.write(i, seed=i)
+        assert await a.deposit([(0, 0), (1, 1), (2, 2)]) == dict.fromkeys(
+            [key(0), key(1), key(2)], "SUCCESS"
+        )
+        b.kv.submit_hint(b.hint(a, [0, 1, 2]), request_id="r")
+        assert b.kv.query([key(0), key(1), key(5)], request_id="r") == [REMOTE, REMOTE, MISS]
+
+        entries = await b.deliver([(0, 10), (1, 11), (2, 12)])
+
+        assert set(statuses(entries).values()) == {"SUCCESS"}
+        for i in range(3):
+            assert b.engine.checksum(10 + i) == a.engine.checksum(i)
+        # The source's claims were dropped once the write was over.
+        assert all(a.kv._runtime.index.get(key(i)).claims == 0 for i in range(3))
+
+
+async def test_a_hinted_fetch_pulls_engine_memory_into_local_g2(autojump_clock):
+    world = World()
+    a, b = Worker(world, "a"), Worker(world, "b")
+    async with a.running(), b.running():
+        a.engine.write(4, seed=9)
+        a.pins.engine_has = {key(7): 4}
+        b.kv.submit_hint(b.hint(a, [7]), request_id="r")
+
+        handle = b.kv.fetch([key(7)], request_id="r")
+        entries = await b.engine.await_op(b.kv, handle, 1)
+
+        entry = entries[key(7)]
+        assert entry.success and entry.release_handle is not None
+        assert b.kv.query([key(7)]) == [HIT]
+        slot = entry.descriptors[0].element_index
+        fetched = b.engine.pools[0][slot * 4096 : (slot + 1) * 4096]
+        assert (fetched == a.engine.view(0, 4)).all()
+        assert b.recorder.inventory_keys(removed=False) == [key(7)]
+        # The engine's pin was released after the write, not before.
+        assert a.pins.released == ["pin-1"] and not a.pins.pinned
+
+
+async def test_a_partial_answer_delivers_what_the_source_had(autojump_clock):
+    world = World()
+    a, b = Worker(world, "a"), Worker(world, "b")
+    async with a.running(), b.running():
+        a.engine.write(0, seed=1)
+        await a.deposit([(0, 0)])
+        b.kv.submit_hint(b.hint(a, [0, 1]), request_id="r")
+
+        entries = await b.deliver([(0, 10), (1, 11)])
+
+        assert statuses(entries) == {key(0): "SUCCESS", key(1): "FAILED"}
+        assert b.engine.checksum(10) == a.engine.checksum(0)
+
+
+async def test_eager_setup_greets_the_source_at_submit_hint(autojump_clock):
+    world = World()
+    a, b = Worker(world, "a"), Worker(world, "b", eager=True)
+    async with a.running(), b.running():
+        b.kv.submit_hint(b.hint(a, [1]), request_id="r")
+        await trio.sleep(0.01)
+        assert len(world.sent("hello")) == 1
+        assert len(world.sent("hello_ack")) == 1
+
+
+async def test_lazy_setup_greets_the_source_on_first_use(autojump_clock):
+    world = World()
+    a, b = Worker(world, "a"), Worker(world, "b", eager=False)
+    async with a.running(), b.running():
+        b.kv.submit_hint(b.hint(a, [1]), request_id="r")
+        await trio.sleep(0.01)
+        assert world.sent("hello") == []
+
+        await b.deliver([(1, 10)])
+        assert len(world.sent("hello")) == 1
+
+
+async def test_metadata_is_resent_until_acknowledged(autojump_clock):
+    world = World()
+    a, b = Worker(world, "a"), Worker(world, "b")
+    dropped = []
+
+    def drop_first_two_hellos(endpoint: str, message: bytes) -> bool:
+        if isinstance(m.decode(message), m.Hello) and len(dropped) < 2:
+            dropped.append(trio.current_time())
+            return True
+        return False
+
+    world.hub.drop = drop_first_two_hellos
+    async with a.running(), b.running():
+        a.engine.write(0, seed=3)
+        await a.deposit([(0, 0)])
+        b.kv.submit_hint(b.hint(a, [0]), request_id="r")
+        entries = await b.deliver([(0, 10)])
+
+        assert statuses(entries) == {key(0): "SUCCESS"}
+        hellos = world.sent("hello")
+        assert len(hellos) == 3
+        assert dropped[1] - dropped[0] == pytest.approx(0.1, abs=0.005)  # retry interval
+
+
+async def test_past_the_deadline_the_destination_fails_probes_and_holds_memory(autojump_clock):
+    world = World()
+    a, b = Worker(world, "a"), Worker(world, "b")
+    async with a.running(), b.running():
+        a.engine.write(0, seed=1)
+        await a.deposit([(0, 0)])
+        b.kv.submit_hint(b.hint(a, [0]), request_id="r")
+        await trio.sleep(0.01)
+        from kvcr.transport.fake import NEVER
+
+        a.transport.script.append(NEVER)
+        start = trio.current_time()
+        handle = b.kv.deliver({key(0): b.refs(10)}, request_id="r")
+        entries = await b.engine.await_op(b.kv, handle, 1)
+
+        assert statuses(entries) == {key(0): "FAILED"}
+        assert trio.current_time() - start == pytest.approx(1.0, abs=0.01)
+        # The engine heard first that its destination memory is uncertain.
+        (error,) = b.recorder.resilience
+        assert error.state == "uncertain" and error.destination_regions == tuple(b.refs(10))
+        probes = world.sent("probe")
+        assert len(probes) == 1 and probes[0].cancel
+        assert [ack.state for ack in world.sent("probe_ack")] == ["writing"]
+
+        await trio.sleep(2.5)  # the abandon deadline: probed again, still held
+        assert len(world.sent("probe")) == 2
+        assert b.events() == [(handle, "uncertain")]
+
+        a.transport.finish(a.transport.in_flight()[0])
+        await trio.sleep(0.01)
+        b.kv.poll_completed()
+        assert b.events() == [(handle, "uncertain"), (handle, "quiesced")]
+        assert a.kv._runtime.index.get(key(0)).claims == 0
+
+
+async def test_a_late_success_after_the_deadline_stays_a_failure(autojump_clock):
+    from kvcr.transport.fake import Behavior
+
+    world = World()
+    a, b = Worker(world, "a"), Worker(world, "b")
+    async with a.running(), b.running():
+        a.engine.write(0, seed=1)
+        await a.deposit([(0, 0)])
+        b.kv.submit_hint(b.hint(a, [0]), request_id="r")
+        await trio.sleep(0.01)
+        a.transport.script.append(Behavior(delay=1.5))
+
+        handle = b.kv.deliver({key(0): b.refs(10)}, request_id="r")
+        entries = await b.engine.await_op(b.kv, handle, 1)
+        assert statuses(entries) == {key(0): "FAILED"}
+
+        await trio.sleep(1.0)  # the write lands now
+        assert b.kv.poll_completed() == []
+        assert b.events() == [(handle, "uncertain"), (handle, "quiesced")]
+
+
+async def test_a_probe_cancels_a_pull_still_waiting_for_engine_pins(autojump_clock):
+    world = World()
+    # The source waits for pins longer than the destination waits for the source.
+    a = Worker(world, "a", operation_timeout_ms=2000, abandon_timeout_ms=4000)
+    b = Worker(world, "b")
+    async with a.running(), b.running():
+        a.pins.engine_has = {key(3): 3}
+        a.pins.hold_back = True  # the engine does not answer the pin request
+        b.kv.submit_hint(b.hint(a, [3]), request_id="r")
+
+        handle = b.kv.deliver({key(3): b.refs(10)}, request_id="r")
+        entries = await b.engine.await_op(b.kv, handle, 1)
+        await trio.sleep(0.01)
+        b.kv.poll_completed()
+
+        assert statuses(entries) == {key(3): "FAILED"}
+        assert [ack.state for ack in world.sent("probe_ack")] == ["over"]
+        assert a.pins.cancelled == [1]
+        # Nothing was ever written: the memory is quiesced as soon as the source says so.
+        assert b.events() == [(handle, "uncertain"), (handle, "quiesced")]
+
+
+async def test_a_stalled_source_refuses_new_writes(autojump_clock):
+    from kvcr.transport.fake import NEVER
+
+    world = World()
+    a, b = Worker(world, "a"), Worker(world, "b")
+    async with a.running(), b.running():
+        for i in range(2):
+            a.engine.write(i, seed=i)
+        await a.deposit([(0, 0), (1, 1)])
+        b.kv.submit_hint(b.hint(a, [0, 1]), request_id="r")
+        await trio.sleep(0.01)
+        a.transport.script.append(NEVER)
+        stuck = b.kv.deliver({key(0): b.refs(10)}, request_id="r")
+        await b.engine.await_op(b.kv, stuck, 1)
+        await trio.sleep(0.1)  # the source's write is now older than the operation timeout
+
+        b.kv.submit_hint(b.hint(a, [1]), request_id="r2")
+        start = trio.current_time()
+        handle = b.kv.deliver({key(1): b.refs(11)}, request_id="r2")
+        entries = await b.engine.await_op(b.kv, handle, 1)
+
+        assert statuses(entries) == {key(1): "FAILED"}
+        assert trio.current_time() - start < 0.05
+        assert any("stalled" in over.reason for over in world.sent("over"))
+
+
+async def test_a_restarted_source_is_a_new_incarnation_and_old_pulls_fail_at_once(autojump_clock):
+    world = World()
+    b = Worker(world, "b")
+    async with b.running():
+        first = Worker(world, "a")
+        async with first.running():
+            b.kv.submit_hint(b.hint(first, [0]), request_id="r")
+            await trio.sleep(0.01)
+        old_incarnation = world.sent("hello_ack")[0].incarnation
+
+        second = Worker(world, "a")  # the same endpoint and agent name, a new process
+        async with second.running():
+            second.engine.write(0, seed=5)
+            await second.deposit([(0, 0)])
+            start = trio.current_time()
+            entries = await b.deliver([(0, 10)])
+
+            # The pull aimed at the old incarnation was refused by the new one at once.
+            assert statuses(entries) == {key(0): "FAILED"}
+            assert trio.current_time() - start < 0.05
+            assert world.sent("pull")[0].target == old_incarnation
+
+            b.kv.submit_hint(b.hint(second, [0]), request_id="r2")
+            entries = await b.deliver([(0, 11)], request_id="r2")
+            assert statuses(entries) == {key(0): "SUCCESS"}
+            assert b.engine.checksum(11) == second.engine.checksum(0)
+
+
+async def test_a_failed_remote_operation_marks_the_hint_failed(autojump_clock):
+    world = World()
+    a, b = Worker(world, "a"), Worker(world, "b")
+    async with a.running(), b.running():
+        b.kv.submit_hint(b.hint(a, [0, 1]), request_id="r")
+        assert b.kv.query([key(0)], request_id="r") == [REMOTE]
+
+        entries = await b.deliver([(0, 10)])
+        assert statuses(entries) == {key(0): "FAILED"}
+
+        assert b.kv.query([key(0), key(1)], request_id="r") == [MISS, MISS]
+        pulls = len(world.sent("pull"))
+        entries = await b.deliver([(1, 11)])
+        assert statuses(entries) == {key(1): "FAILED"}
+        assert len(world.sent("pull")) == pulls  # failed at once, nothing asked
+
+
+async def test_memory_behind_a_dead_source_is_held_until_its_successor_answers(autojump_clock):
+    from kvcr.transport.fake import NEVER
+
+    world = World()
+    b = Worker(world, "b")
+    async with b.running():
+        a = Worker(world, "a")
+        async with a.running():
+            a.engine.write(0, seed=1)
+            await a.deposit([(0, 0)])
+            b.kv.submit_hint(b.hint(a, [0]), request_id="r")
+            await trio.sleep(0.01)
+            a.transport.script.append(NEVER)
+            handle = b.kv.deliver({key(0): b.refs(10)}, request_id="r")
+            await trio.sleep(0.01)
+            world.fabric.kill("a")  # SIGKILL: no answer will ever come from it
+            world.hub.channels["tcp://a:5555"].close()
+            entries = await b.engine.await_op(b.kv, handle, 1)
+            assert statuses(entries) == {key(0): "FAILED"}
+            await trio.sleep(5)
+            b.kv.poll_completed()
+            assert b.events() == [(handle, "uncertain")]  # held: nobody confirmed anything
+            a.transport.finish(a.transport.in_flight()[0], ok=False)
+
+        successor = Worker(world, "a")
+        async with successor.running():
+            # The next pull, aimed at the dead incarnation, is refused by the successor:
+            # now the destination knows the old process is gone.
+            b.kv.submit_hint(b.hint(successor, [9]), request_id="r3")
+            entries = await b.deliver([(9, 12)], request_id="r3")
+            assert statuses(entries) == {key(9): "FAILED"}
+            b.kv.poll_completed()
+            assert b.events() == [(handle, "uncertain"), (handle, "quiesced")]
+
+
+async def test_malformed_and_unknown_peer_messages_are_dropped_once_per_kind(autojump_clock):
+    from kvcr.logs import capture_events
+    from kvcr.transport import messages as m
+
+    world = World()
+    a, b = Worker(world, "a"), Worker(world, "b")
+    async with a.running(), b.running():
+        a.engine.write(0, seed=1)
+        await a.deposit([(0, 0)])
+        sender = world.hub.channel("tcp://mallory:1")
+        with capture_events() as events:
+            for _ in range(3):
+                sender.send(a.endpoint, b"\x00garbage")
+                sender.send(a.endpoint, m.encode(m.Over("tcp://mallory:1", 5, 77, "x")))
+                sender.send(b.endpoint, m.encode(m.Over("tcp://mallory:1", 5, 77, "x")))
+            await trio.sleep(0.01)
+
+        drops = [e["kind"] for e in events if e["event"] == "peer_message_dropped"]
+        # a got the garbage and an Over; b an Over: one event per kind and instance.
+        assert sorted(drops) == ["bad_message", "unknown_over", "unknown_over"]
+        b.kv.submit_hint(b.hint(a, [0]), request_id="r")
+        entries = await b.deliver([(0, 10)])
+        assert statuses(entries) == {key(0): "SUCCESS"}
