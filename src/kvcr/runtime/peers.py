@@ -33,16 +33,16 @@ from typing import Any
 import attrs
 import trio
 
-from kvcr.runtime.index import Block, BlockIndex, BlockState
+from kvcr.runtime.index import BlockIndex
 from kvcr.runtime.memory import MemoryMap
 from kvcr.runtime.ops import Operation, Outbox
-from kvcr.runtime.pins import Pin, Pins
-from kvcr.runtime.transfers import Transfers, Xfer
+from kvcr.runtime.pins import Pins
+from kvcr.runtime.source import Source
+from kvcr.runtime.transfers import Transfers
 from kvcr.transport import messages as m
 from kvcr.transport.base import TransportError
 from kvcr.types import (
     BlockKey,
-    TransferError,
 )
 
 RECEIVE_POLL_S = 0.002  # only for control channels without a file descriptor
@@ -74,18 +74,6 @@ class RemotePull:
     reason: str = ""
     abandoned: bool = False
     on_over: list[Callable[[], None]] = attrs.field(factory=list)
-
-
-@attrs.define(eq=False)
-class SourceJob:
-    msg: m.Pull
-    agent: str
-    state: str = "pending"  # pending -> writing -> over
-    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
-    claims: list[Block] = attrs.field(factory=list)
-    pins: list[Pin] = attrs.field(factory=list)
-    xfer: Xfer | None = None
-    posted_at: float = 0.0
 
 
 class Peers:
@@ -122,11 +110,22 @@ class Peers:
         self.log = log
         self.incarnation = int.from_bytes(os.urandom(8), "big") or 1
         self.links: dict[str, Link] = {}
-        self.agents_by_incarnation: dict[int, str] = {}  # source side: destinations we know
-        self.jobs: dict[tuple[int, int], SourceJob] = {}  # (dst incarnation, req) -> job
-        self.stalled = False
+        self.source = Source(
+            net=self,
+            transport=transport,
+            transfers=transfers,
+            memory=memory,
+            index=index,
+            local=local,
+            pins=pins,
+            outbox=outbox,
+            config=config,
+            telemetry=telemetry,
+            op_ids=op_ids,
+            log=log,
+        )
         self._reqs = itertools.count(1)
-        self._nursery: trio.Nursery | None = None
+        self.nursery: trio.Nursery | None = None
         self._busy = trio.Event()
         self._dropped: set[str] = set()
 
@@ -134,12 +133,15 @@ class Peers:
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
-            self._nursery = nursery
+            self.nursery = nursery
             nursery.start_soon(self._receive_loop)
             nursery.start_soon(self._progress_loop)
             task_status.started()
 
-    def _send(self, endpoint: str, message: m.Message) -> None:
+    def my_endpoint(self) -> str:
+        return self.endpoint or "unknown"
+
+    def send(self, endpoint: str, message: m.Message) -> None:
         try:
             queued = self.channel.send(endpoint, m.encode(message))
         except Exception as exc:
@@ -148,7 +150,7 @@ class Peers:
         if not queued:
             self.log.info("control_not_queued", to=endpoint, type=message.TYPE)
 
-    def _drop(self, kind: str, detail: str) -> None:
+    def drop(self, kind: str, detail: str) -> None:
         """Bad input from a peer: one log event per kind, never a crash."""
         if kind not in self._dropped:
             self._dropped.add(kind)
@@ -177,10 +179,8 @@ class Peers:
         pulls are pending, and now and then while peers are connected (connection setup
         needs both sides to make progress)."""
         while True:
-            busy = any(link.pulls for link in self.links.values()) or any(
-                job.state == "writing" for job in self.jobs.values()
-            )
-            if not busy and not self.links and not self.agents_by_incarnation:
+            busy = any(link.pulls for link in self.links.values()) or self.source.writing
+            if not busy and not self.links and not self.source.agents_by_incarnation:
                 self._busy = trio.Event()
                 await self._busy.wait()
                 continue
@@ -190,7 +190,7 @@ class Peers:
                 await trio.sleep(0)
             self._poll_notifications()
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
         self._busy.set()
 
     def _poll_notifications(self) -> None:
@@ -203,29 +203,29 @@ class Peers:
             try:
                 message = m.decode(raw)
             except m.MessageError as exc:
-                self._drop("bad_notification", str(exc))
+                self.drop("bad_notification", str(exc))
                 continue
             if isinstance(message, m.Written):
                 self._on_written(sender, message)
             else:
-                self._drop("unexpected_notification", message.TYPE)
+                self.drop("unexpected_notification", message.TYPE)
 
     def _on_raw(self, raw: bytes) -> None:
         try:
             message = m.decode(raw)
         except m.MessageError as exc:
-            self._drop("bad_message", str(exc))
+            self.drop("bad_message", str(exc))
             return
         handler = {
-            m.Hello: self._on_hello,
+            m.Hello: self.source.on_hello,
             m.HelloAck: self._on_hello_ack,
-            m.Pull: self._on_pull,
+            m.Pull: self.source.on_pull,
             m.Over: self._on_over,
-            m.Probe: self._on_probe,
+            m.Probe: self.source.on_probe,
             m.ProbeAck: self._on_probe_ack,
         }.get(type(message))
         if handler is None:
-            self._drop("unexpected_message", message.TYPE)
+            self.drop("unexpected_message", message.TYPE)
             return
         try:
             handler(message)
@@ -239,33 +239,40 @@ class Peers:
         link = self.links.get(endpoint)
         if link is None:
             link = self.links[endpoint] = Link(endpoint)
-        if not link.ready.is_set() and not link.greeting and self._nursery is not None:
+        if not link.ready.is_set() and not link.greeting and self.nursery is not None:
             link.greeting = True
-            self._nursery.start_soon(self._greet, link)
-            self._wake()
+            self.nursery.start_soon(self._greet, link)
+            self.wake()
         return link
 
     async def _greet(self, link: Link) -> None:
+        """Send our metadata until the source acknowledges it, at most for
+        ``abandon_timeout_ms`` (a dead endpoint is not greeted forever: the next use of
+        the link greets it again)."""
         started = trio.current_time()
+        hello = m.Hello(
+            self.my_endpoint(),
+            self.incarnation,
+            self.transport.agent_name,
+            self.transport.metadata(),
+        )
         try:
-            hello = m.Hello(
-                self.endpoint,
-                self.incarnation,
-                self.transport.agent_name,
-                self.transport.metadata(),
-            )
-            while not link.ready.is_set():
-                self._send(link.endpoint, hello)
-                with trio.move_on_after(self.retry_interval_s):
-                    await link.ready.wait()
+            with trio.move_on_after(self.config.abandon_timeout_ms / 1000):
+                while not link.ready.is_set():
+                    self.send(link.endpoint, hello)
+                    with trio.move_on_after(self.retry_interval_s):
+                        await link.ready.wait()
         finally:
             link.greeting = False
-        self.telemetry.record("peer_setup", trio.current_time() - started, "success")
+        result = "success" if link.ready.is_set() else "failed"
+        self.telemetry.record("peer_setup", trio.current_time() - started, result)
+        if not link.ready.is_set():
+            self.log.warning("peer_unreachable", endpoint=link.endpoint)
 
     def _on_hello_ack(self, msg: m.HelloAck) -> None:
         link = self.links.get(msg.sender)
         if link is None or msg.acked != self.incarnation:
-            self._drop("stale_hello_ack", msg.sender)
+            self.drop("stale_hello_ack", msg.sender)
             return
         self._note_incarnation(link, msg.incarnation)
         link.agent = msg.agent
@@ -302,11 +309,11 @@ class Peers:
         link.pulls[pull.req] = pull
         op.xfers[pull] = frozenset(keys)
         pull.on_over.append(lambda: self.outbox.xfer_terminal(op, pull))
-        self._send(
+        self.send(
             endpoint,
             m.Pull(self.endpoint, self.incarnation, link.incarnation, pull.req, keys, dst),
         )
-        self._wake()
+        self.wake()
         return pull
 
     def abandon(self, op: Operation, pull: RemotePull) -> None:
@@ -314,9 +321,9 @@ class Peers:
         if pull.over.is_set() or pull.abandoned:
             return
         pull.abandoned = True
-        self._send(pull.link.endpoint, m.Probe(self.endpoint, self.incarnation, pull.req, True))
-        assert self._nursery is not None
-        self._nursery.start_soon(self._watch_abandoned, op, pull)
+        self.send(pull.link.endpoint, m.Probe(self.endpoint, self.incarnation, pull.req, True))
+        assert self.nursery is not None
+        self.nursery.start_soon(self._watch_abandoned, op, pull)
 
     async def _watch_abandoned(self, op: Operation, pull: RemotePull) -> None:
         with trio.move_on_at(op.abandon_at):
@@ -328,7 +335,7 @@ class Peers:
             endpoint=pull.link.endpoint,
             reason="no confirmation from the source by abandon_timeout_ms; memory stays held",
         )
-        self._send(pull.link.endpoint, m.Probe(self.endpoint, self.incarnation, pull.req, True))
+        self.send(pull.link.endpoint, m.Probe(self.endpoint, self.incarnation, pull.req, True))
 
     def _find_pull(self, endpoint: str, incarnation: int, req: int) -> RemotePull | None:
         link = self.links.get(endpoint)
@@ -345,10 +352,10 @@ class Peers:
                 pull = link.pulls.get(msg.req)
                 break
         if pull is None:
-            self._drop("unknown_written", f"{sender} req {msg.req}")
+            self.drop("unknown_written", f"{sender} req {msg.req}")
             return
         if any(i >= len(pull.keys) for i in msg.indices):
-            self._drop("bad_written", f"{sender} req {msg.req}: index out of range")
+            self.drop("bad_written", f"{sender} req {msg.req}: index out of range")
             pull.reason = "the source named keys it was not asked for"
             msg = m.Written(msg.incarnation, msg.req, [])
         self._finish_pull(pull, sorted(set(msg.indices)), pull.reason or "", over=True)
@@ -360,7 +367,7 @@ class Peers:
             return
         pull = self._find_pull(msg.sender, msg.incarnation, msg.req)
         if pull is None:
-            self._drop("unknown_over", f"{msg.sender} req {msg.req}")
+            self.drop("unknown_over", f"{msg.sender} req {msg.req}")
             return
         self._finish_pull(pull, [], msg.reason, over=True)
 
@@ -381,209 +388,3 @@ class Peers:
             pull.over.set()
             for callback in pull.on_over:
                 callback()
-
-    # -- source ------------------------------------------------------------------------------
-
-    def _on_hello(self, msg: m.Hello) -> None:
-        try:
-            agent = self.transport.add_peer(msg.metadata)
-        except Exception as exc:
-            self._drop("bad_metadata", f"{msg.sender}: {exc}")
-            return
-        for incarnation, name in list(self.agents_by_incarnation.items()):
-            if name == agent and incarnation != msg.incarnation:
-                del self.agents_by_incarnation[incarnation]  # that process is gone
-        self.agents_by_incarnation[msg.incarnation] = agent
-        self._send(
-            msg.sender,
-            m.HelloAck(
-                self._my_endpoint(), self.incarnation, msg.incarnation, self.transport.agent_name
-            ),
-        )
-        self._wake()
-
-    def _my_endpoint(self) -> str:
-        return self.endpoint or "unknown"
-
-    def _on_pull(self, msg: m.Pull) -> None:
-        key = (msg.incarnation, msg.req)
-        if key in self.jobs:
-            self._drop("duplicate_pull", f"{msg.sender} req {msg.req}")
-            return
-        reason = None
-        agent = self.agents_by_incarnation.get(msg.incarnation)
-        if msg.target != self.incarnation:
-            reason = "the pull was meant for another incarnation of this source"
-        elif agent is None:
-            reason = "no metadata from this destination incarnation: say hello first"
-        elif self.stalled:
-            reason = "this source's transfers are stalled; it refuses new writes"
-        elif self.local is None and not self.memory.regions:
-            reason = "this source has neither pools nor framework regions"
-        if reason is not None:
-            self._send(msg.sender, m.Over(self._my_endpoint(), self.incarnation, msg.req, reason))
-            return
-        job = SourceJob(msg, agent)
-        self.jobs[key] = job
-        assert self._nursery is not None
-        self._nursery.start_soon(self._serve, job)
-
-    def _on_probe(self, msg: m.Probe) -> None:
-        job = self.jobs.get((msg.incarnation, msg.req))
-        state = job.state if job is not None else "over"
-        if job is not None and state == "pending" and msg.cancel:
-            job.scope.cancel()
-            state = "over"
-        self._send(msg.sender, m.ProbeAck(self._my_endpoint(), self.incarnation, msg.req, state))
-
-    async def _serve(self, job: SourceJob) -> None:
-        msg = job.msg
-        started = trio.current_time()
-        job.scope.deadline = started + self.config.operation_timeout_ms / 1000
-        src: list[int] = []
-        dst: list[tuple[int, int]] = []
-        indices: list[int] = []
-        with job.scope:
-            wanted = self._claim_local(job)
-            missing = [i for i in range(len(msg.keys)) if i not in wanted]
-            if missing:
-                pin_started = trio.current_time()
-                pin = await self.pins.pin([msg.keys[i] for i in missing])
-                self.telemetry.record(
-                    "framework_pin_wait",
-                    trio.current_time() - pin_started,
-                    "success" if pin is not None else "failed",
-                )
-                if pin is not None:
-                    job.pins.append(pin)
-                    for i in missing:
-                        refs = pin.refs.get(msg.keys[i])
-                        descs = self._resolve_pinned(refs) if refs is not None else None
-                        if descs is not None:
-                            wanted[i] = descs
-            for i in sorted(wanted):
-                pairs = self._pairs(wanted[i], msg.dst[i])
-                if pairs is None:
-                    self._drop("bad_destination", f"req {msg.req}: sizes do not match key {i}")
-                    continue
-                indices.append(i)
-                src.extend(wanted[i])
-                dst.extend(pairs)
-        if job.scope.cancelled_caught or not indices:
-            reason = "cancelled" if job.scope.cancelled_caught else "none of the keys is here"
-            self._end_job(job, reason)
-            return
-        self._write(job, src, dst, indices, started)
-
-    def _claim_local(self, job: SourceJob) -> dict[int, list[int]]:
-        wanted: dict[int, list[int]] = {}
-        if self.local is None:
-            return wanted
-        now = trio.current_time()
-        for i, key in enumerate(job.msg.keys):
-            block = self.index.get(key)
-            if block is not None and block.state is BlockState.READY:
-                self.local.claim(block, now)
-                job.claims.append(block)
-                wanted[i] = [self.memory.slot_desc(p, s) for p, s in enumerate(block.slots)]
-        return wanted
-
-    def _resolve_pinned(self, refs: object) -> list[int] | None:
-        try:
-            return list(self.memory.resolve_key("pin result", 0, b"", refs))
-        except ValueError as exc:
-            self._drop("bad_pin_refs", str(exc))
-            return None
-
-    def _pairs(self, src: list[int], dst: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
-        if len(src) != len(dst):
-            return None
-        for index, (_addr, nbytes) in zip(src, dst):
-            if self.memory.desc_range(index)[1] != nbytes:
-                return None
-        return [(addr, nbytes) for addr, nbytes in dst]
-
-    def _write(
-        self,
-        job: SourceJob,
-        src: list[int],
-        dst: list[tuple[int, int]],
-        indices: list[int],
-        started: float,
-    ) -> None:
-        msg = job.msg
-        what = f"source write req {msg.req} to {job.agent}"
-        notif = m.encode(m.Written(self.incarnation, msg.req, indices))
-        nbytes = sum(n for _, n in dst)
-
-        def terminal(xfer: Xfer) -> None:
-            now = trio.current_time()
-            result = "success" if xfer.ok else "failed"
-            self.telemetry.record("transfer", now - job.posted_at, result)
-            moved = (len(dst), nbytes) if xfer.ok else (0, 0)
-            self.telemetry.record("source_write", now - started, result, *moved)
-            self._end_job(job, None if xfer.ok else "the write failed")
-
-        try:
-            handle = self.transport.post_write(src, dst, job.agent, notif, what)
-        except TransportError as exc:
-            self._end_job(job, str(exc))
-            return
-        job.state = "writing"
-        job.posted_at = trio.current_time()
-        job.xfer = self.transfers.track(handle, what, nbytes, terminal)
-        if job.state == "writing":
-            assert self._nursery is not None
-            self._nursery.start_soon(self._watch_write, job)
-        self._wake()
-
-    async def _watch_write(self, job: SourceJob) -> None:
-        """A write running past the operation timeout stalls this source; past the abandon
-        timeout, the engine's pinned memory is reported uncertain until it is terminal."""
-        assert job.xfer is not None
-        op_s = self.config.operation_timeout_ms / 1000
-        with trio.move_on_at(job.posted_at + op_s):
-            await job.xfer.done.wait()
-            return
-        if not self.stalled:
-            self.stalled = True
-            self.log.warning("source_stalled", agent=job.agent, req=job.msg.req)
-        with trio.move_on_at(job.posted_at + self.config.abandon_timeout_ms / 1000):
-            await job.xfer.done.wait()
-        if job.xfer.done.is_set():
-            return
-        handle = self.op_ids()
-        if job.pins:
-            self.outbox.events.append(self._source_error(job, handle, "uncertain"))
-        await job.xfer.done.wait()
-        if job.pins:
-            self.outbox.events.append(self._source_error(job, handle, "quiesced"))
-
-    def _source_error(self, job: SourceJob, handle: int, state: str) -> TransferError:
-        keys = tuple(job.msg.keys[i] for i in range(len(job.msg.keys)))
-        return TransferError(
-            f"source write req {job.msg.req} to {job.agent}: still running past abandon_timeout_ms",
-            handle,
-            state=state,
-            source_blocks=keys,
-            source_owners=("framework",),
-        )
-
-    def _end_job(self, job: SourceJob, reason: str | None) -> None:
-        """The write is over (or never happened): release claims and pins, tell the
-        destination when it will get no notification."""
-        job.state = "over"
-        for block in job.claims:
-            self.local.unclaim(block)
-        job.claims.clear()
-        for pin in job.pins:
-            self.pins.release(pin)
-        job.pins.clear()
-        self.jobs.pop((job.msg.incarnation, job.msg.req), None)
-        if reason is not None:
-            self._send(
-                job.msg.sender, m.Over(self._my_endpoint(), self.incarnation, job.msg.req, reason)
-            )
-        if self.stalled and not any(j.state == "writing" for j in self.jobs.values()):
-            self.stalled = False
-            self.log.info("source_recovered")

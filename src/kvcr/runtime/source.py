@@ -1,0 +1,301 @@
+"""The source side of peer reuse: serving a destination's pull.
+
+A pull names keys and where to write them. The source claims the keys it holds in local
+G2, asks the engine to pin the others (``request_pin``), and writes everything it has in
+one NIXL WRITE whose notification (``Written``) names what was written; when it writes
+nothing, or the write fails, it sends ``Over`` instead. Claims and pins are released only
+when the write is terminal.
+
+Deadlines, measured from the pull's arrival: a pull still waiting for pins at
+``operation_timeout_ms`` is dropped (``Over``); a write still running then stalls this
+source, which refuses new pulls until it ends; a write still running at
+``abandon_timeout_ms`` makes the pinned engine memory ``uncertain`` (``TransferError``),
+and ``quiesced`` follows when the write is terminal. A destination's ``Probe`` with
+``cancel`` drops a pull that has not started writing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import trio
+
+from kvcr.runtime.index import Block, BlockIndex, BlockState
+from kvcr.runtime.memory import MemoryMap
+from kvcr.runtime.ops import Outbox
+from kvcr.runtime.pins import Pin, Pins
+from kvcr.runtime.transfers import Transfers, Xfer
+from kvcr.transport import messages as m
+from kvcr.transport.base import TransportError
+from kvcr.types import TransferError
+
+if TYPE_CHECKING:
+    from kvcr.runtime.peers import Peers
+
+
+@attrs.define(eq=False)
+class SourceJob:
+    msg: m.Pull
+    agent: str
+    state: str = "pending"  # pending -> writing -> over
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    claims: list[Block] = attrs.field(factory=list)
+    pins: list[Pin] = attrs.field(factory=list)
+    xfer: Xfer | None = None
+    posted_at: float = 0.0
+
+
+class Source:
+    def __init__(
+        self,
+        *,
+        net: Peers,
+        transport: Any,
+        transfers: Transfers,
+        memory: MemoryMap,
+        index: BlockIndex,
+        local: Any,
+        pins: Pins,
+        outbox: Outbox,
+        config: Any,
+        telemetry: Any,
+        op_ids: Any,
+        log: Any,
+    ) -> None:
+        self.net = net
+        self.transport = transport
+        self.transfers = transfers
+        self.memory = memory
+        self.index = index
+        self.local = local
+        self.pins = pins
+        self.outbox = outbox
+        self.config = config
+        self.telemetry = telemetry
+        self.op_ids = op_ids
+        self.log = log
+        self.agents_by_incarnation: dict[int, str] = {}  # destinations we have metadata of
+        self.jobs: dict[tuple[int, int], SourceJob] = {}  # (dst incarnation, req) -> job
+        self.stalled = False
+
+    @property
+    def writing(self) -> bool:
+        return any(job.state == "writing" for job in self.jobs.values())
+
+    def on_hello(self, msg: m.Hello) -> None:
+        try:
+            agent = self.transport.add_peer(msg.metadata)
+        except Exception as exc:
+            self.net.drop("bad_metadata", f"{msg.sender}: {exc}")
+            return
+        for incarnation, name in list(self.agents_by_incarnation.items()):
+            if name == agent and incarnation != msg.incarnation:
+                del self.agents_by_incarnation[incarnation]  # that process is gone
+        self.agents_by_incarnation[msg.incarnation] = agent
+        self.net.send(
+            msg.sender,
+            m.HelloAck(
+                self.net.my_endpoint(),
+                self.net.incarnation,
+                msg.incarnation,
+                self.transport.agent_name,
+            ),
+        )
+        self.net.wake()
+
+    def on_pull(self, msg: m.Pull) -> None:
+        key = (msg.incarnation, msg.req)
+        if key in self.jobs:
+            self.net.drop("duplicate_pull", f"{msg.sender} req {msg.req}")
+            return
+        reason = None
+        agent = self.agents_by_incarnation.get(msg.incarnation)
+        if msg.target != self.net.incarnation:
+            reason = "the pull was meant for another incarnation of this source"
+        elif agent is None:
+            reason = "no metadata from this destination incarnation: say hello first"
+        elif self.stalled:
+            reason = "this source's transfers are stalled; it refuses new writes"
+        elif self.local is None and not self.memory.regions:
+            reason = "this source has neither pools nor framework regions"
+        if reason is not None:
+            self.net.send(
+                msg.sender, m.Over(self.net.my_endpoint(), self.net.incarnation, msg.req, reason)
+            )
+            return
+        job = SourceJob(msg, agent)
+        self.jobs[key] = job
+        assert self.net.nursery is not None
+        self.net.nursery.start_soon(self._serve, job)
+
+    def on_probe(self, msg: m.Probe) -> None:
+        job = self.jobs.get((msg.incarnation, msg.req))
+        state = job.state if job is not None else "over"
+        if job is not None and state == "pending" and msg.cancel:
+            job.scope.cancel()
+            state = "over"
+        self.net.send(
+            msg.sender, m.ProbeAck(self.net.my_endpoint(), self.net.incarnation, msg.req, state)
+        )
+
+    async def _serve(self, job: SourceJob) -> None:
+        try:
+            await self._prepare(job)
+        except Exception as exc:  # a bug must not leak claims or pins
+            self.log.exception("source_job_failed", req=job.msg.req, error=repr(exc))
+            if job.state == "pending":
+                self._end_job(job, "the source failed to prepare the write")
+
+    async def _prepare(self, job: SourceJob) -> None:
+        msg = job.msg
+        started = trio.current_time()
+        job.scope.deadline = started + self.config.operation_timeout_ms / 1000
+        src: list[int] = []
+        dst: list[tuple[int, int]] = []
+        indices: list[int] = []
+        with job.scope:
+            wanted = self._claim_local(job)
+            missing = [i for i in range(len(msg.keys)) if i not in wanted]
+            if missing:
+                pin_started = trio.current_time()
+                pin = await self.pins.pin([msg.keys[i] for i in missing])
+                self.telemetry.record(
+                    "framework_pin_wait",
+                    trio.current_time() - pin_started,
+                    "success" if pin is not None else "failed",
+                )
+                if pin is not None:
+                    job.pins.append(pin)
+                    for i in missing:
+                        refs = pin.refs.get(msg.keys[i])
+                        descs = self._resolve_pinned(refs) if refs is not None else None
+                        if descs is not None:
+                            wanted[i] = descs
+            for i in sorted(wanted):
+                pairs = self._pairs(wanted[i], msg.dst[i])
+                if pairs is None:
+                    self.net.drop("bad_destination", f"req {msg.req}: sizes do not match key {i}")
+                    continue
+                indices.append(i)
+                src.extend(wanted[i])
+                dst.extend(pairs)
+        if job.scope.cancelled_caught or not indices:
+            reason = "cancelled" if job.scope.cancelled_caught else "none of the keys is here"
+            self._end_job(job, reason)
+            return
+        self._write(job, src, dst, indices, started)
+
+    def _claim_local(self, job: SourceJob) -> dict[int, list[int]]:
+        wanted: dict[int, list[int]] = {}
+        if self.local is None:
+            return wanted
+        now = trio.current_time()
+        for i, key in enumerate(job.msg.keys):
+            block = self.index.get(key)
+            if block is not None and block.state is BlockState.READY:
+                self.local.claim(block, now)
+                job.claims.append(block)
+                wanted[i] = [self.memory.slot_desc(p, s) for p, s in enumerate(block.slots)]
+        return wanted
+
+    def _resolve_pinned(self, refs: object) -> list[int] | None:
+        try:
+            return list(self.memory.resolve_key("pin result", 0, b"", refs))
+        except ValueError as exc:
+            self.net.drop("bad_pin_refs", str(exc))
+            return None
+
+    def _pairs(self, src: list[int], dst: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
+        if len(src) != len(dst):
+            return None
+        for index, (_addr, nbytes) in zip(src, dst):
+            if self.memory.desc_range(index)[1] != nbytes:
+                return None
+        return [(addr, nbytes) for addr, nbytes in dst]
+
+    def _write(
+        self,
+        job: SourceJob,
+        src: list[int],
+        dst: list[tuple[int, int]],
+        indices: list[int],
+        started: float,
+    ) -> None:
+        msg = job.msg
+        what = f"source write req {msg.req} to {job.agent}"
+        notif = m.encode(m.Written(self.net.incarnation, msg.req, indices))
+        nbytes = sum(n for _, n in dst)
+
+        def terminal(xfer: Xfer) -> None:
+            now = trio.current_time()
+            result = "success" if xfer.ok else "failed"
+            self.telemetry.record("transfer", now - job.posted_at, result)
+            moved = (len(dst), nbytes) if xfer.ok else (0, 0)
+            self.telemetry.record("source_write", now - started, result, *moved)
+            self._end_job(job, None if xfer.ok else "the write failed")
+
+        try:
+            handle = self.transport.post_write(src, dst, job.agent, notif, what)
+        except TransportError as exc:
+            self._end_job(job, str(exc))
+            return
+        job.state = "writing"
+        job.posted_at = trio.current_time()
+        job.xfer = self.transfers.track(handle, what, nbytes, terminal)
+        if job.state == "writing":
+            assert self.net.nursery is not None
+            self.net.nursery.start_soon(self._watch_write, job)
+        self.net.wake()
+
+    async def _watch_write(self, job: SourceJob) -> None:
+        """A write running past the operation timeout stalls this source; past the abandon
+        timeout, the engine's pinned memory is reported uncertain until it is terminal."""
+        assert job.xfer is not None
+        op_s = self.config.operation_timeout_ms / 1000
+        with trio.move_on_at(job.posted_at + op_s):
+            await job.xfer.done.wait()
+            return
+        if not self.stalled:
+            self.stalled = True
+            self.log.warning("source_stalled", agent=job.agent, req=job.msg.req)
+        with trio.move_on_at(job.posted_at + self.config.abandon_timeout_ms / 1000):
+            await job.xfer.done.wait()
+        if job.xfer.done.is_set():
+            return
+        handle = self.op_ids()
+        if job.pins:
+            self.outbox.events.append(self._source_error(job, handle, "uncertain"))
+        await job.xfer.done.wait()
+        if job.pins:
+            self.outbox.events.append(self._source_error(job, handle, "quiesced"))
+
+    def _source_error(self, job: SourceJob, handle: int, state: str) -> TransferError:
+        keys = tuple(job.msg.keys[i] for i in range(len(job.msg.keys)))
+        return TransferError(
+            f"source write req {job.msg.req} to {job.agent}: still running past abandon_timeout_ms",
+            handle,
+            state=state,
+            source_blocks=keys,
+            source_owners=("framework",),
+        )
+
+    def _end_job(self, job: SourceJob, reason: str | None) -> None:
+        """The write is over (or never happened): release claims and pins, tell the
+        destination when it will get no notification."""
+        job.state = "over"
+        for block in job.claims:
+            self.local.unclaim(block)
+        job.claims.clear()
+        for pin in job.pins:
+            self.pins.release(pin)
+        job.pins.clear()
+        self.jobs.pop((job.msg.incarnation, job.msg.req), None)
+        if reason is not None:
+            self.net.send(
+                job.msg.sender,
+                m.Over(self.net.my_endpoint(), self.net.incarnation, job.msg.req, reason),
+            )
+        if self.stalled and not any(j.state == "writing" for j in self.jobs.values()):
+            self.stalled = False
+            self.log.info("source_recovered")
