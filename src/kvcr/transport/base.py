@@ -5,8 +5,10 @@ element of each segment is one descriptor; descriptors are numbered globally in 
 order, so a whole operation, whatever regions it touches, is one transfer: a list of
 destination descriptor indices and a list of source descriptor indices of equal sizes.
 
-The interface is synchronous and never waits: ``post_local_read`` starts a transfer and
-``poll`` reports its state. The runtime's progress task decides when to poll.
+The interface is synchronous and never waits: ``post_local_read`` (or ``post_write`` to a
+peer) starts a transfer and ``poll`` reports its state. The runtime's progress task decides
+when to poll. A peer write completes only while both sides call in: the source polls its
+handle, the destination calls ``notifications`` (or ``progress``).
 """
 
 from __future__ import annotations
@@ -64,10 +66,47 @@ class Transport(Protocol):
         """Copy descriptor ``src[i]`` into ``dst[i]`` for every i; returns a transfer handle.
         ``what`` names the operation for error messages."""
 
-    def poll(self, xfer: object) -> XferState: ...
+    # -- peers: destination-initiated writes (the destination sends its metadata and
+    # addresses over the control channel; the source adds it and writes) ------------------
+
+    def metadata(self) -> bytes:
+        """This agent's metadata for a peer's ``add_peer``; take it after ``open_local``."""
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Load a peer's metadata; returns the peer's agent name. Idempotent for the same
+        metadata; new metadata under a known name (a restarted peer) replaces the old."""
+
+    def remove_peer(self, agent: str) -> None:
+        """Forget a peer; its transfers still in flight end (``poll`` raises)."""
+
+    def post_write(
+        self,
+        src: Sequence[int],
+        dst: Sequence[tuple[int, int]],
+        peer: str,
+        notif: bytes,
+        what: str,
+    ) -> object:
+        """One write of local descriptor ``src[i]`` into the peer's ``dst[i]`` (address,
+        size; the size must be the descriptor's), then ``notif`` to the peer, which sees it
+        in ``notifications()`` only after all the data. Returns a transfer handle."""
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        """Drain the notifications that arrived: (sender agent name, message). Peers' writes
+        into this agent complete only while it calls this (or ``progress``) regularly."""
+
+    def progress(self) -> None:
+        """Let the transport make progress without consuming notifications."""
+
+    # -- transfers ---------------------------------------------------------------------------
+
+    def poll(self, xfer: object) -> XferState:
+        """The transfer's state. May raise TransportError when the transfer failed with a
+        reason (for example the peer died): it is then over, as with ERR."""
 
     def release(self, xfer: object) -> None:
-        """Free the handle of a terminal transfer."""
+        """Free the handle of a terminal transfer. (On a transfer still in flight it tries
+        to cancel it, and raises TransportError if it cannot.)"""
 
     def close(self) -> None:
         """Deregister memory and drop the agent. Only call when nothing is in flight."""

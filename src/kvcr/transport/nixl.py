@@ -4,10 +4,30 @@ The agent runs without NIXL's progress thread (it spins a full core per agent, s
 nixl-on-cpu.md); the runtime polls transfers instead, often while any is in flight and not
 at all when idle. Local copies are loopback READs: the destination is the initiator's local
 side, which measured ~1.4x faster than WRITE for the same descriptors on these machines.
+
+Peer writes (destination-initiated, the source writes): the destination hands its
+``metadata()`` to the source over the control channel; the source ``add_peer``\\ s it and
+posts one WRITE of local descriptors into the destination's addresses, with a notification
+that the destination reads from ``notifications()``. Facts this relies on, measured with
+UCX between two processes on one host (NIXL 1.5.1):
+
+- The data moves inside ``transfer()`` (CMA, synchronous, ~9 GB/s), but the transfer only
+  becomes DONE after a round trip: the destination must call into NIXL (any call:
+  ``get_new_notifs``) and then the source must call ``check_xfer_state``, which sends the
+  notification. So the notification always comes after the data, and both sides must keep
+  calling in while a write is pending: the source ``poll``\\ s its handle, the destination
+  calls ``notifications()`` (or ``progress()``).
+- NIXL checks remote descriptors against the source's copy of the destination's metadata,
+  not against live registrations: a destination that deregisters memory must send fresh
+  metadata (``add_peer`` then replaces the old copy) for the check to follow.
+- A dead destination makes the write end with an error (``transfer()`` or
+  ``check_xfer_state`` raise ``nixlRemoteDisconnectError``, within ~5 ms of the death); a
+  hung one (SIGSTOP) leaves it PROC; releasing a PROC handle cancels it.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,6 +41,56 @@ except ImportError:  # the meta package's shim, where it is installed instead
     from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[no-redef]
 
 _STATES = {"DONE": XferState.DONE, "PROC": XferState.PROC, "ERR": XferState.ERR}
+
+# NIXL raises one exception class per status code and says nothing else ("NIXL_ERR_...").
+_REASONS = {
+    "nixlNotFoundError": "not found (a destination range outside the peer's registered "
+    "memory, or an unknown peer)",
+    "nixlInvalidParamError": "invalid parameter (descriptor sizes or indices)",
+    "nixlRemoteDisconnectError": "the peer disconnected (its process is gone)",
+    "nixlNotAllowedError": "not allowed",
+    "nixlBackendError": "backend error",
+}
+
+# get_agent_metadata() starts with the serialized agent name: the tag, a little-endian
+# 8-byte length, the name, "|". add_peer needs the name before loading the metadata, to
+# replace the metadata of a restarted peer (NIXL refuses to load it over the old one).
+_MD_PREFIX = b"nixlSerDes|Agent"
+
+
+def _reason(exc: BaseException) -> str:
+    name = type(exc).__name__
+    return f"{_REASONS.get(name, name)} [{exc}]"
+
+
+def metadata_agent_name(metadata: bytes) -> str:
+    """The agent name in NIXL agent metadata; TransportError if it is not metadata."""
+    start = len(_MD_PREFIX) + 8
+    if not isinstance(metadata, bytes) or not metadata.startswith(_MD_PREFIX):
+        raise TransportError("peer metadata is not NIXL agent metadata")
+    size = int.from_bytes(metadata[len(_MD_PREFIX) : start], "little")
+    raw = metadata[start : start + size]
+    if not 0 < size <= 256 or len(raw) != size or metadata[start + size : start + size + 1] != b"|":
+        raise TransportError("peer metadata is not NIXL agent metadata (bad agent name)")
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        raise TransportError("peer metadata is not NIXL agent metadata (bad agent name)") from None
+
+
+class NixlXfer:
+    """A posted transfer: the NIXL handle and what error messages need."""
+
+    __slots__ = ("handle", "peer", "remote", "what")
+
+    def __init__(self, handle: Any, what: str, peer: str | None, remote: Any) -> None:
+        self.handle = handle
+        self.what = what
+        self.peer = peer  # None for a local copy
+        self.remote = remote  # the prepared remote descriptor list of a peer write
+
+    def __repr__(self) -> str:
+        return f"NixlXfer({self.what!r}, peer={self.peer!r})"
 
 
 class NixlTransport:
@@ -39,6 +109,9 @@ class NixlTransport:
         self._local: Any = None
         self._loopback: Any = None
         self._count = 0
+        self._sizes: np.ndarray = np.zeros(0, dtype=np.int64)
+        self._peers: dict[str, bytes] = {}  # agent name -> the metadata loaded for it
+        self._notifs: list[tuple[str, bytes]] = []  # drained by progress(), not yet handed out
 
     def open_local(self, segments: Sequence[Segment]) -> None:
         for seg in segments:
@@ -64,29 +137,201 @@ class NixlTransport:
             ]
         )
         self._count = len(descs)
+        self._sizes = descs[:, 1].copy()
         self._local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, "DRAM")
         self._loopback = self._agent.prep_xfer_dlist(self.agent_name, descs, "DRAM")
 
-    def post_local_read(self, dst: Sequence[int], src: Sequence[int], what: str) -> Any:
+    def post_local_read(self, dst: Sequence[int], src: Sequence[int], what: str) -> NixlXfer:
         try:
             handle = self._agent.make_prepped_xfer(
                 "READ", self._local, list(dst), self._loopback, list(src)
             )
         except Exception as exc:
             raise TransportError(f"{what}: NIXL refused the transfer: {exc}") from exc
-        state = self._agent.transfer(handle)
+        return self._post(NixlXfer(handle, what, None, None))
+
+    # -- peers -----------------------------------------------------------------------------
+
+    def metadata(self) -> bytes:
+        """This agent's NIXL metadata for a peer's ``add_peer`` (~0.3 KiB + ~0.1 KiB per
+        registered segment). Take it after ``open_local``: it describes only the memory
+        registered when it is taken."""
+        try:
+            return bytes(self._agent.get_agent_metadata())
+        except Exception as exc:
+            raise TransportError(
+                f"NIXL agent {self.agent_name!r}: no metadata: {_reason(exc)}"
+            ) from exc
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Load a peer's metadata so that ``post_write`` can target it; returns its agent name.
+
+        The same metadata again is a no-op. New metadata for a known agent name (a restarted
+        peer, or a peer whose registrations changed) replaces the old: the old is removed
+        first, which ends the transfers still in flight to that peer with an error."""
+        name = metadata_agent_name(metadata)
+        if name == self.agent_name:
+            raise TransportError(f"add_peer: the metadata is this agent's own ({name!r})")
+        if self._peers.get(name) == metadata:
+            return name
+        if name in self._peers:
+            self.remove_peer(name)
+        try:
+            loaded = self._agent.add_remote_agent(metadata)
+        except Exception as exc:
+            raise TransportError(
+                f"add_peer: NIXL refused the metadata of peer {name!r}: {_reason(exc)}"
+            ) from exc
+        loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if loaded != name:  # the metadata format moved under us: fail loudly, not silently
+            self._agent.remove_remote_agent(loaded)
+            raise TransportError(
+                f"add_peer: metadata names {name!r} but NIXL loaded it as {loaded!r}"
+            )
+        self._peers[name] = metadata
+        return name
+
+    def remove_peer(self, agent: str) -> None:
+        """Forget a peer (unknown names are ignored). Transfers still in flight to it end:
+        their ``poll`` raises TransportError; release them as usual."""
+        if self._peers.pop(agent, None) is None:
+            return
+        try:
+            self._agent.remove_remote_agent(agent)
+        except Exception as exc:
+            raise TransportError(f"remove_peer {agent!r}: {_reason(exc)}") from exc
+
+    def post_write(
+        self,
+        src: Sequence[int],
+        dst: Sequence[tuple[int, int]],
+        peer: str,
+        notif: bytes,
+        what: str,
+    ) -> NixlXfer:
+        """One WRITE: local descriptor ``src[i]`` to the peer's ``dst[i] = (addr, nbytes)``;
+        ``nbytes`` must be that descriptor's size. The peer gets ``notif`` from
+        ``notifications()`` after all the data. Returns a handle for ``poll``/``release``."""
+        if peer not in self._peers:
+            raise TransportError(f"{what}: peer {peer!r} is not known (no add_peer)")
+        if len(src) != len(dst) or not src:
+            raise TransportError(
+                f"{what}: {len(src)} source descriptors for {len(dst)} destinations "
+                f"at peer {peer!r}"
+            )
+        try:
+            index = np.asarray(src, dtype=np.int64).reshape(len(src))
+            pairs = np.asarray(dst, dtype=np.int64).reshape(len(dst), 2)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise TransportError(
+                f"{what}: malformed descriptors for peer {peer!r}: {exc}"
+            ) from None
+        bad = (index < 0) | (index >= self._count)
+        if bad.any():
+            raise TransportError(
+                f"{what}: source descriptor {int(index[bad][0])} out of range "
+                f"(0..{self._count - 1}) for peer {peer!r}"
+            )
+        sizes = self._sizes[index]
+        wrong = np.flatnonzero((sizes != pairs[:, 1]) | (pairs[:, 0] <= 0))
+        if wrong.size:
+            i = int(wrong[0])
+            raise TransportError(
+                f"{what}: destination {i} at peer {peer!r} is {int(pairs[i, 1])} bytes at "
+                f"{int(pairs[i, 0]):#x}, source descriptor {int(index[i])} is {int(sizes[i])} bytes"
+            )
+        remote_descs = np.zeros((len(pairs), 3), dtype=np.int64)
+        remote_descs[:, :2] = pairs
+        try:
+            remote = self._agent.prep_xfer_dlist(peer, remote_descs, "DRAM")
+        except Exception as exc:
+            raise TransportError(
+                f"{what}: NIXL refused the destination at peer {peer!r}: {_reason(exc)}"
+            ) from exc
+        try:
+            handle = self._agent.make_prepped_xfer(
+                "WRITE",
+                self._local,
+                index.astype(np.int32),
+                remote,
+                np.arange(len(pairs), dtype=np.int32),
+                notif,
+            )
+        except Exception as exc:
+            remote.release()
+            raise TransportError(
+                f"{what}: NIXL refused the write to peer {peer!r}: {_reason(exc)}"
+            ) from exc
+        return self._post(NixlXfer(handle, what, peer, remote))
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        """Notifications that arrived, as (sender agent name, message), in arrival order per
+        sender. Calling this is also what lets peers' writes into this agent complete."""
+        self.progress()
+        out, self._notifs = self._notifs, []
+        return out
+
+    def progress(self) -> None:
+        """Call into NIXL (connection setup, peers' writes into this agent) without handing
+        out notifications: they are kept for the next ``notifications()``."""
+        try:
+            new = self._agent.get_new_notifs()
+        except Exception as exc:
+            raise TransportError(
+                f"NIXL agent {self.agent_name!r}: reading notifications failed: {_reason(exc)}"
+            ) from exc
+        for sender, messages in new.items():
+            name = sender.decode() if isinstance(sender, bytes) else str(sender)
+            self._notifs.extend((name, bytes(message)) for message in messages)
+
+    # -- transfers -------------------------------------------------------------------------
+
+    def _post(self, xfer: NixlXfer) -> NixlXfer:
+        try:
+            state = self._agent.transfer(xfer.handle)
+        except Exception as exc:
+            self._drop(xfer)
+            raise TransportError(self._failed(xfer, "NIXL failed to post it", exc)) from exc
         if state == "ERR":
-            self._agent.release_xfer_handle(handle)
-            raise TransportError(f"{what}: NIXL failed to post the transfer")
-        return handle
+            self._drop(xfer)
+            raise TransportError(self._failed(xfer, "NIXL failed to post it"))
+        return xfer
 
-    def poll(self, xfer: Any) -> XferState:
-        return _STATES[self._agent.check_xfer_state(xfer)]
+    def poll(self, xfer: NixlXfer) -> XferState:
+        """The transfer's state. Raises TransportError when NIXL reports it failed with a
+        reason (the peer died or was removed): it is then over, as with ERR; release it."""
+        try:
+            return _STATES[self._agent.check_xfer_state(xfer.handle)]
+        except Exception as exc:
+            raise TransportError(self._failed(xfer, "the transfer failed", exc)) from exc
 
-    def release(self, xfer: Any) -> None:
-        self._agent.release_xfer_handle(xfer)
+    def release(self, xfer: NixlXfer) -> None:
+        """Free the handle. On a transfer that is still PROC this cancels it (the peer gets
+        no notification; some of the data may have been written); if NIXL cannot cancel
+        it, this raises TransportError and the transfer stays in flight."""
+        try:
+            self._agent.release_xfer_handle(xfer.handle)
+        except Exception as exc:
+            raise TransportError(self._failed(xfer, "NIXL could not release it", exc)) from exc
+        if xfer.remote is not None:
+            xfer.remote.release()
+            xfer.remote = None
+
+    def _drop(self, xfer: NixlXfer) -> None:
+        # if NIXL cannot release it, its handle wrapper keeps it for cleanup at agent exit
+        with contextlib.suppress(TransportError):
+            self.release(xfer)
+
+    @staticmethod
+    def _failed(xfer: NixlXfer, what_happened: str, exc: BaseException | None = None) -> str:
+        where = "" if xfer.peer is None else f" to peer {xfer.peer!r}"
+        reason = "" if exc is None else f": {_reason(exc)}"
+        return f"{xfer.what}{where}: {what_happened}{reason}"
 
     def close(self) -> None:
+        for agent in list(self._peers):
+            with contextlib.suppress(TransportError):
+                self.remove_peer(agent)
         for handle in (self._local, self._loopback):
             if handle is not None:
                 handle.release()
