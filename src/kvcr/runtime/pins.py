@@ -21,6 +21,9 @@ import trio
 from kvcr.types import BlockKey, MemoryRef, PinHandle, PinRequestId, PinResult
 
 POLL_S = 0.001
+# A pin granted after its request was given up is still collected and released, for this
+# long after the request (engines without cancel_pin_request grant it anyway).
+ABANDONED_POLL_S = 30.0
 RELEASE_RETRY_FIRST_S = 0.01
 RELEASE_RETRY_MAX_S = 1.0
 
@@ -55,6 +58,7 @@ class Pins:
         self._cancel = cancel_pin_request
         self._log = log
         self._waiting: dict[PinRequestId, _Waiter] = {}
+        self._abandoned: dict[PinRequestId, float] = {}  # request -> poll until (trio time)
         self._to_release: list[PinHandle] = []
         self._work = trio.Event()
 
@@ -79,6 +83,7 @@ class Pins:
         except BaseException:
             if self._waiting.pop(request, None) is not None:
                 self._cancel_request(request)
+                self._abandoned[request] = trio.current_time() + ABANDONED_POLL_S
             elif waiter.pin is not None:
                 self.release(waiter.pin)
             raise
@@ -111,8 +116,14 @@ class Pins:
         except Exception as exc:
             self._log.warning("poll_pin_results_failed", error=repr(exc))
             return
-        for request, result in results:
+        for item in results:
+            try:
+                request, result = item
+            except (TypeError, ValueError):
+                self._log.warning("pin_result_malformed", item=repr(item)[:80])
+                continue
             waiter = self._waiting.pop(request, None)
+            self._abandoned.pop(request, None)
             pin = _valid(result, waiter.keys) if waiter is not None else None
             handle = result[0] if isinstance(result, tuple) and len(result) == 2 else None
             if pin is None and handle is not None:
@@ -123,18 +134,27 @@ class Pins:
                 waiter.pin = pin
                 waiter.done.set()
 
+    def _polling(self) -> bool:
+        if self._abandoned:
+            now = trio.current_time()
+            for request, until in list(self._abandoned.items()):
+                if until <= now:
+                    del self._abandoned[request]
+                    self._log.warning("pin_request_forgotten", request=request)
+        return bool(self._waiting or self._abandoned)
+
     async def run(self) -> None:
         retry = RELEASE_RETRY_FIRST_S
         while True:
-            if not self._waiting and not self._to_release:
+            if not self._polling() and not self._to_release:
                 self._work = trio.Event()
                 await self._work.wait()
                 retry = RELEASE_RETRY_FIRST_S
-            if self._waiting:
+            if self._polling():
                 await trio.sleep(POLL_S)
                 self._absorb()
             if self._to_release:
-                if not self._waiting:
+                if not self._polling():
                     await trio.sleep(retry)
                 pending, self._to_release = self._to_release, []
                 for handle in pending:
@@ -152,7 +172,7 @@ def _valid(result: object, keys: Sequence[BlockKey]) -> Pin | None:
     if not isinstance(result, tuple) or len(result) != 2:
         return None
     handle, refs = result
-    if not isinstance(refs, Mapping) or set(refs) != set(keys):
+    if handle is None or not isinstance(refs, Mapping) or set(refs) != set(keys):
         return None
     if all(v is None for v in refs.values()):
         return None

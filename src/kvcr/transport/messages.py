@@ -25,6 +25,7 @@ aimed at the old one fail at once.
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any, ClassVar
 
 import attrs
@@ -194,10 +195,9 @@ def decode(data: bytes) -> Message:
     if not isinstance(raw, dict):
         raise MessageError(f"peer message: expected a map, got {type(raw).__name__}")
     version, kind = raw.pop("v", None), raw.pop("t", None)
-    if version != PROTOCOL_VERSION:
-        raise MessageError(
-            f"peer message: protocol version {version!r}, expected {PROTOCOL_VERSION}"
-        )
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        shown = reprlib.repr(version)  # bounded: never builds the repr of huge junk
+        raise MessageError(f"peer message: protocol version {shown}, expected {PROTOCOL_VERSION}")
     cls = TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise MessageError(f"peer message: unknown type {str(kind)[:40]!r}")
@@ -207,12 +207,26 @@ def decode(data: bytes) -> Message:
         raise MessageError(f"peer message {kind!r}: {_describe(exc)[:300]}") from None
 
 
-def _describe(exc: BaseException) -> str:
-    """The leaf reasons of a (possibly nested) cattrs validation error."""
+def _describe(exc: BaseException, path: str = "") -> str:
+    """The leaf reasons of a (possibly nested) cattrs validation error, each with the path
+    of the field it is about (``keys[3]``, ``dst[0][1]``)."""
+    if isinstance(exc, cattrs.ForbiddenExtraKeysError):
+        return f"{path or 'message'}: unexpected field(s) {sorted(exc.extra_fields)}"
     if isinstance(exc, cattrs.BaseValidationError):
-        return "; ".join(_describe(inner) for inner in exc.exceptions)
+        parts = []
+        for inner in exc.exceptions:
+            sub = path
+            for note in getattr(inner, "__notes__", ()):
+                if isinstance(note, cattrs.AttributeValidationNote):
+                    sub = f"{path}.{note.name}" if path else note.name
+                elif isinstance(note, cattrs.IterableValidationNote):
+                    sub = f"{path}[{note.index}]"
+            parts.append(_describe(inner, sub))
+        return "; ".join(parts)
     if isinstance(exc, KeyError):
         return f"missing field {exc.args[0]!r}"
     if exc.args and isinstance(exc.args[0], str):
-        return exc.args[0]  # attrs validators add the Attribute as further args
-    return str(exc) or type(exc).__name__
+        text = exc.args[0]  # attrs validators add the Attribute as further args
+    else:
+        text = str(exc) or type(exc).__name__
+    return f"{path}: {text}" if path else text
