@@ -153,7 +153,10 @@ class ZmqPeerControlChannel:
         if self._router is not None:
             return
         address = f"tcp://{_url_host(self._bind_host)}:{self._bind_port}"
-        ctx = zmq.Context()
+        # The process-wide context is never terminated: a context of our own would have to
+        # be, and a context finalized by the garbage collector before its sockets blocks
+        # whatever thread the collector runs in (seen: the runtime thread, forever).
+        ctx = zmq.Context.instance()
         router = ctx.socket(zmq.ROUTER)
         try:
             router.setsockopt(zmq.LINGER, 0)
@@ -163,7 +166,6 @@ class ZmqPeerControlChannel:
             router.bind(address)
         except zmq.ZMQError as exc:
             router.close(linger=0)
-            ctx.term()
             raise KVCRSocketError(f"cannot bind control channel to {address}: {exc}") from exc
         self._listener_fd = None  # libzmq owns it now and closes it with the ROUTER
         self._ctx, self._router = ctx, router
@@ -227,6 +229,11 @@ class ZmqPeerControlChannel:
             return None
         return self._router.getsockopt(zmq.FD)
 
+    def __del__(self) -> None:
+        # Sockets left open would keep queued messages and fds alive for the process's life.
+        with contextlib.suppress(Exception):
+            self.close()
+
     def close(self) -> None:
         """Close every socket, even if one close fails (logged, not raised). Idempotent."""
         if self._closed:
@@ -246,8 +253,6 @@ class ZmqPeerControlChannel:
             with contextlib.suppress(OSError):
                 os.close(self._listener_fd)
             self._listener_fd = None
-        if self._ctx is not None and all_closed:
-            self._ctx.term()  # would hang while a socket is still open, hence all_closed
-        elif self._ctx is not None:
-            log.warning("control_channel.context_leaked")
+        if not all_closed:
+            log.warning("control_channel.socket_leaked")
         self._ctx = None

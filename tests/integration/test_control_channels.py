@@ -232,8 +232,7 @@ def test_close_closes_everything_even_if_one_close_raises(
     assert "control_channel.close_failed" in [entry["event"] for entry in logs]
     assert channel.send(peer_a.endpoint, b"x") is False
     monkeypatch.undo()
-    failing.close(linger=0)  # the channel left the context alive rather than hang on term()
-    ctx.term()
+    failing.close(linger=0)
 
 
 def test_from_shared_listener_receives_on_the_listener_port(channels: ChannelFactory) -> None:

@@ -1,0 +1,283 @@
+"""Peer-to-peer reuse between two processes, with real NIXL and real ZMQ on 127.0.0.1.
+
+The source worker runs in a child process (``worker_proc.py``); the destination is a
+KVCR instance in the test process, driven the way an engine adapter drives it: a router
+hint names the source, ``query`` says the keys are fetchable from a peer, and ``deliver``
+or ``fetch`` pulls them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import zlib
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine_sim import EngineSim, Recorder
+from kvcr import KVCR
+from kvcr.config import KVCRBackendConfigs, RemoteFWDramOptions
+from kvcr.control_channels import ZmqPeerControlChannel
+from kvcr.types import CacheTier, QueryStatus
+from peer_world import EnginePins, IntKeys, key
+
+pytestmark = pytest.mark.integration
+
+BLOCK = 64 * 1024
+WORKER = Path(__file__).resolve().parent.parent / "worker_proc.py"
+SIZES = (str(BLOCK), "64", "64")  # block bytes, pool blocks, engine region blocks
+REMOTE = (QueryStatus.FETCHABLE, CacheTier.REMOTE_G2)
+HIT = (QueryStatus.HIT, CacheTier.LOCAL_G2)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class SourceWorker:
+    """A kvcr worker in a child process."""
+
+    def __init__(self, name: str, port: int | None = None) -> None:
+        ours, theirs = socket.socketpair()
+        self.port = port or free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, str(WORKER), str(theirs.fileno()), name, str(self.port), *SIZES],
+            pass_fds=[theirs.fileno()],
+        )
+        theirs.close()
+        self.conn = Connection(os.dup(ours.fileno()))
+        ours.close()
+        self.endpoint = self("endpoint", timeout=60)
+
+    def __call__(self, *command: object, timeout: float = 20) -> Any:
+        self.conn.send(command)
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"worker did not answer {command[0]!r} in {timeout} s")
+        status, value = self.conn.recv()
+        if status == "error":
+            raise RuntimeError(value)
+        return value
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self("stop", timeout=20)
+            except (EOFError, OSError, TimeoutError):
+                self.proc.kill()
+        self.proc.wait(20)
+        self.conn.close()
+
+
+class Destination:
+    """The worker in this process that a router sends to the source."""
+
+    def __init__(self, eager: bool = True, **config: Any) -> None:
+        config.setdefault("operation_timeout_ms", 2000)
+        config.setdefault("abandon_timeout_ms", 4000)
+        self.engine = EngineSim(
+            name=f"dst-{os.getpid()}",
+            layouts=[("", BLOCK)],
+            pool_blocks=64,
+            region_blocks=64,
+            **config,
+        )
+        self.recorder = Recorder()
+        self.pins = EnginePins(self.engine)
+        self.channel = ZmqPeerControlChannel("127.0.0.1", free_port(), "127.0.0.1")
+        self.kv = KVCR(
+            self.engine.config,
+            self.recorder.bindings(
+                framework_control=self.channel,
+                key_adapter=IntKeys(),
+                request_pin=self.pins.request_pin,
+                poll_pin_results=self.pins.poll_pin_results,
+                release_pin=self.pins.release_pin,
+            ),
+            KVCRBackendConfigs(
+                framework_regions=self.engine.backend_configs.framework_regions,
+                local_dram=self.engine.backend_configs.local_dram,
+                remote_fw_dram=RemoteFWDramOptions(eager_ctrl_connect=eager),
+            ),
+        )
+
+    def close(self) -> None:
+        self.kv.close()
+        self.channel.close()  # the adapter owns its channel
+
+    def hint(self, source: SourceWorker, keys: list[int], request_id: str) -> None:
+        self.kv.submit_hint(
+            {
+                "protocol_version": "0.1",
+                "message_id": request_id,
+                "actions": [
+                    {
+                        "action_id": 0,
+                        "action_type": "kv.fetch",
+                        "action_version": "1.0",
+                        "payload": {
+                            "source_control_endpoint": source.endpoint,
+                            "block_hashes": keys,
+                        },
+                    }
+                ],
+            },
+            request_id=request_id,
+        )
+
+    def deliver(self, pairs: list[tuple[int, int]], request_id: str, timeout: float = 10) -> dict:
+        handle = self.kv.deliver(
+            {key(k): self.engine.refs(e) for k, e in pairs}, request_id=request_id
+        )
+        return self.engine.statuses(self.engine.wait(self.kv, handle, len(pairs), timeout))
+
+
+@pytest.fixture
+def source() -> Iterator[SourceWorker]:
+    worker = SourceWorker("src")
+    yield worker
+    worker.stop()
+
+
+@pytest.fixture
+def destination() -> Iterator[Destination]:
+    dst = Destination()
+    yield dst
+    dst.close()
+
+
+def test_kvcr_owned_blocks_reach_the_destination_byte_exact(source, destination) -> None:
+    sums = source("deposit", [(k, k, 100 + k) for k in range(8)])
+    assert {status for status, _ in sums.values()} == {"SUCCESS"}
+
+    destination.hint(source, list(range(8)), "req-1")
+    assert destination.kv.query([key(k) for k in range(8)], "req-1") == [REMOTE] * 8
+    result = destination.deliver([(k, 20 + k) for k in range(8)], "req-1")
+
+    assert set(result.values()) == {"SUCCESS"}
+    for k in range(8):
+        assert destination.engine.checksum(20 + k) == sums[k][1]
+    assert source("claims", 0) == 0  # claims dropped once the write was over
+
+
+def test_engine_owned_blocks_are_pinned_written_and_released(source, destination) -> None:
+    sums = source("engine_has", [(k, 30 + k, 200 + k) for k in range(4)])
+    destination.hint(source, list(range(4)), "req-2")
+
+    handle = destination.kv.fetch([key(k) for k in range(4)], request_id="req-2")
+    entries = destination.engine.wait(destination.kv, handle, 4, timeout=10)
+
+    assert all(entry.success for entry in entries.values())
+    assert destination.kv.query([key(k) for k in range(4)]) == [HIT] * 4
+    pool = destination.engine.pools[0]
+    for k in range(4):
+        slot = entries[key(k)].descriptors[0].element_index
+        assert [zlib.crc32(pool[slot * BLOCK : (slot + 1) * BLOCK].tobytes())] == sums[k]
+    state = source("pin_state")
+    assert state["pinned"] == [] and len(state["released"]) == 1
+
+
+def test_a_partial_prefix_delivers_what_the_source_has(source, destination) -> None:
+    sums = source("deposit", [(k, k, 300 + k) for k in range(3)])
+    destination.hint(source, list(range(6)), "req-3")
+
+    result = destination.deliver([(k, 10 + k) for k in range(6)], "req-3")
+
+    assert result == {key(k): "SUCCESS" if k < 3 else "FAILED" for k in range(6)}
+    for k in range(3):
+        assert destination.engine.checksum(10 + k) == sums[k][1]
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager-setup", "lazy-setup"])
+def test_setup_is_eager_at_submit_hint_or_lazy_at_first_use(source, eager) -> None:
+    destination = Destination(eager=eager)
+    try:
+        sums = source("deposit", [(0, 0, 7)])
+        destination.hint(source, [0], "req-4")
+        result = destination.deliver([(0, 5)], "req-4")
+        assert result == {key(0): "SUCCESS"}
+        assert destination.engine.checksum(5) == sums[0][1]
+    finally:
+        destination.close()
+
+
+def test_a_source_killed_mid_pull_fails_the_operation_and_the_instance_goes_on(
+    destination,
+) -> None:
+    source = SourceWorker("victim")
+    try:
+        source("engine_has", [(0, 0, 1)])
+        source("hold_pins", True)  # the source is mid-pull: waiting for its engine's pin
+        destination.hint(source, [0], "req-5")
+        handle = destination.kv.deliver({key(0): destination.engine.refs(3)}, request_id="req-5")
+        time.sleep(0.3)
+        source.kill()
+        started = time.monotonic()
+
+        entries = destination.engine.wait(destination.kv, handle, 1, timeout=10)
+
+        elapsed = time.monotonic() - started
+        assert destination.engine.statuses(entries) == {key(0): "FAILED"}
+        assert elapsed < (4000 + 100) / 1000  # within abandon_timeout_ms + 100 ms
+        # The engine was told not to reuse the destination memory.
+        (event,) = destination.recorder.resilience
+        assert event.state == "uncertain"
+    finally:
+        source.stop()
+
+    # The instance keeps working: the next request, to a healthy source, succeeds.
+    healthy = SourceWorker("healthy")
+    try:
+        sums = healthy("deposit", [(1, 1, 11)])
+        destination.hint(healthy, [1], "req-6")
+        assert destination.deliver([(1, 6)], "req-6") == {key(1): "SUCCESS"}
+        assert destination.engine.checksum(6) == sums[1][1]
+    finally:
+        healthy.stop()
+
+
+def test_a_restarted_source_at_the_same_endpoint_is_served_again(destination) -> None:
+    first = SourceWorker("phoenix")
+    port = first.port
+    try:
+        first("deposit", [(0, 0, 1)])
+        destination.hint(first, [0], "req-7")
+        assert destination.deliver([(0, 1)], "req-7") == {key(0): "SUCCESS"}
+    finally:
+        first.stop()
+    second = SourceWorker("phoenix", port=port)
+    try:
+        sums = second("deposit", [(0, 0, 2)])
+        destination.hint(second, [0], "req-8")
+        # The first pull aimed at the old incarnation fails at once; the next one works.
+        started = time.monotonic()
+        first_try = destination.deliver([(0, 2)], "req-8")
+        assert time.monotonic() - started < 1.0
+        destination.hint(second, [0], "req-9")
+        result = (
+            first_try
+            if first_try == {key(0): "SUCCESS"}
+            else destination.deliver([(0, 2)], "req-9")
+        )
+        assert result == {key(0): "SUCCESS"}
+        assert destination.engine.checksum(2) == sums[0][1]
+    finally:
+        second.stop()
+
+
+def test_no_stray_processes() -> None:
+    out = subprocess.run(["pgrep", "-f", str(WORKER)], check=False, capture_output=True, text=True)
+    assert out.stdout.strip() == ""
