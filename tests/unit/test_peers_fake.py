@@ -128,7 +128,9 @@ async def test_metadata_is_resent_until_acknowledged(autojump_clock):
 
 async def test_past_the_deadline_the_destination_fails_probes_and_holds_memory(autojump_clock):
     world = World()
-    a, b = Worker(world, "a"), Worker(world, "b")
+    # The source keeps its stuck write longer than the destination waits.
+    a = Worker(world, "a", operation_timeout_ms=1000, abandon_timeout_ms=10000)
+    b = Worker(world, "b")
     async with a.running(), b.running():
         a.engine.write(0, seed=1)
         await a.deposit([(0, 0)])
@@ -159,6 +161,32 @@ async def test_past_the_deadline_the_destination_fails_probes_and_holds_memory(a
         b.kv.poll_completed()
         assert b.events() == [(handle, "uncertain"), (handle, "quiesced")]
         assert a.kv._runtime.index.get(key(0)).claims == 0
+
+
+async def test_a_source_cancels_a_write_hung_past_its_abandon_deadline(autojump_clock):
+    from kvcr.transport.fake import NEVER
+
+    world = World()
+    a, b = Worker(world, "a"), Worker(world, "b")
+    async with a.running(), b.running():
+        a.engine.write(0, seed=1)
+        await a.deposit([(0, 0)])
+        b.kv.submit_hint(b.hint(a, [0]), request_id="r")
+        await trio.sleep(0.01)
+        a.transport.script.append(NEVER)  # the destination never lets the write finish
+        posted = trio.current_time()
+        handle = b.kv.deliver({key(0): b.refs(10)}, request_id="r")
+        await b.engine.await_op(b.kv, handle, 1)
+
+        await trio.sleep(3.5)
+        b.kv.poll_completed()
+
+        write = a.transport.posted[-1]  # after the local deposit
+        assert write.released and write.state.value == "ERR"  # cancelled at 3 s
+        assert a.kv._runtime.index.get(key(0)).claims == 0
+        assert world.sent("over")[-1].reason == "the write failed"
+        assert b.events() == [(handle, "uncertain"), (handle, "quiesced")]
+        assert trio.current_time() - posted > 3.0
 
 
 async def test_a_late_success_after_the_deadline_stays_a_failure(autojump_clock):
@@ -281,7 +309,7 @@ async def test_memory_behind_a_dead_source_is_held_until_its_successor_answers(a
     world = World()
     b = Worker(world, "b")
     async with b.running():
-        a = Worker(world, "a")
+        a = Worker(world, "a", abandon_timeout_ms=60000)  # dead: it will not act either
         async with a.running():
             a.engine.write(0, seed=1)
             await a.deposit([(0, 0)])

@@ -138,6 +138,15 @@ class Peers:
             nursery.start_soon(self._progress_loop)
             task_status.started()
 
+    def gauges(self) -> dict[str, float]:
+        source = self.source
+        return {
+            "peer_links": sum(1 for link in self.links.values() if link.ready.is_set()),
+            "pulls_in_flight": sum(len(link.pulls) for link in self.links.values()),
+            "source_jobs": len(source.jobs),
+            "source_stalled": int(source.stalled),
+        }
+
     def my_endpoint(self) -> str:
         return self.endpoint or "unknown"
 

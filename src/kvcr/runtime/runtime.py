@@ -398,4 +398,5 @@ class Runtime:
             "ops_in_flight": len(self.ops),
             "transfers_in_flight": self.transfers.in_flight if self.transfers else 0,
             "release_handles": len(self.live_handles),
+            **(self.peers.gauges() if self.peers is not None else {}),
         }

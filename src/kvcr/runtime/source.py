@@ -249,24 +249,27 @@ class Source:
         self.net.wake()
 
     async def _watch_write(self, job: SourceJob) -> None:
-        """A write running past the operation timeout stalls this source; past the abandon
-        timeout, the engine's pinned memory is reported uncertain until it is terminal."""
-        assert job.xfer is not None
-        op_s = self.config.operation_timeout_ms / 1000
-        with trio.move_on_at(job.posted_at + op_s):
-            await job.xfer.done.wait()
+        """A write running past the operation timeout stalls this source; one still running
+        at the abandon timeout is cancelled (a hung destination never ends it); if it cannot
+        be cancelled, the engine's pinned memory is reported uncertain until it ends."""
+        xfer = job.xfer
+        assert xfer is not None
+        with trio.move_on_at(job.posted_at + self.config.operation_timeout_ms / 1000):
+            await xfer.done.wait()
             return
         if not self.stalled:
             self.stalled = True
             self.log.warning("source_stalled", agent=job.agent, req=job.msg.req)
         with trio.move_on_at(job.posted_at + self.config.abandon_timeout_ms / 1000):
-            await job.xfer.done.wait()
-        if job.xfer.done.is_set():
+            await xfer.done.wait()
+            return
+        if self.transfers.cancel(xfer):
+            self.log.warning("source_write_cancelled", agent=job.agent, req=job.msg.req)
             return
         handle = self.op_ids()
         if job.pins:
             self.outbox.events.append(self._source_error(job, handle, "uncertain"))
-        await job.xfer.done.wait()
+        await xfer.done.wait()
         if job.pins:
             self.outbox.events.append(self._source_error(job, handle, "quiesced"))
 

@@ -86,11 +86,25 @@ class Transfers:
         if state.terminal:
             self._finish(xfer, state)
 
-    def _finish(self, xfer: Xfer, state: XferState) -> None:
+    def cancel(self, xfer: Xfer) -> bool:
+        """Abort a transfer that will not end by itself (a hung peer). True if the transport
+        cancelled it: then nothing can touch its memory any more and it ends as ERR."""
+        if xfer not in self._in_flight:
+            return True
+        try:
+            self.transport.release(xfer.handle)
+        except Exception as exc:
+            self._log.warning("transfer_cancel_failed", what=xfer.what, error=str(exc))
+            return False
+        self._finish(xfer, XferState.ERR, released=True)
+        return True
+
+    def _finish(self, xfer: Xfer, state: XferState, released: bool = False) -> None:
         self._in_flight.discard(xfer)
         xfer.state = state
         try:
-            self.transport.release(xfer.handle)
+            if not released:
+                self.transport.release(xfer.handle)
         except Exception as exc:
             self._log.warning("transfer_release_failed", what=xfer.what, error=str(exc))
         for callback in xfer.on_terminal:

@@ -184,7 +184,10 @@ class FakeTransport:
         xfer.state = XferState.DONE if ok else XferState.ERR
 
     def release(self, xfer: FakeXfer) -> None:
+        """Like NIXL: releasing a transfer still in flight cancels it (nothing more lands)."""
         xfer.released = True
+        if xfer.state is XferState.PROC:
+            xfer.state = XferState.ERR
 
     def in_flight(self) -> list[FakeXfer]:
         return [x for x in self.posted if x.state is XferState.PROC]
