@@ -16,6 +16,7 @@ import trio
 from engine_sim import EngineSim, Recorder
 from kvcr.config import KVCRBackendConfigs, RemoteFWDramOptions
 from kvcr.runtime.harness import kvcr_in_loop
+from kvcr.telemetry import InMemoryStats
 from kvcr.transport.fake import FakeControlHub, FakeFabric, FakeTransport
 from kvcr.types import BlockKey, MemoryRef
 
@@ -106,6 +107,7 @@ class Worker:
             cancel_pin_request=self.pins.cancel_pin_request,
             framework_control=self.world.hub.channel(self.endpoint),
             key_adapter=IntKeys(),
+            stats_factory=InMemoryStats,
         )
 
     @contextlib.asynccontextmanager

@@ -361,3 +361,33 @@ async def test_malformed_and_unknown_peer_messages_are_dropped_once_per_kind(aut
         b.kv.submit_hint(b.hint(a, [0]), request_id="r")
         entries = await b.deliver([(0, 10)])
         assert statuses(entries) == {key(0): "SUCCESS"}
+
+
+async def test_telemetry_counts_agree_on_both_sides_of_a_pull(autojump_clock):
+    from kvcr import DURATION_METRIC, TRANSFER_BLOCKS_METRIC, TRANSFER_BYTES_METRIC
+
+    world = World()
+    a = Worker(world, "a", enable_telemetry=True)
+    b = Worker(world, "b", enable_telemetry=True)
+    async with a.running(), b.running():
+        for i in range(3):
+            a.engine.write(i, seed=i)
+        await a.deposit([(0, 0), (1, 1)])
+        a.pins.engine_has = {key(2): 2}
+        b.kv.submit_hint(b.hint(a, [0, 1, 2, 3]), request_id="r")
+        entries = await b.deliver([(0, 10), (1, 11), (2, 12), (3, 13)])
+        assert sorted(statuses(entries).values()) == ["FAILED", "SUCCESS", "SUCCESS", "SUCCESS"]
+        await trio.sleep(0.01)
+
+        dst, src = b.kv.get_stats(), a.kv.get_stats()
+
+    assert dst.counters[(TRANSFER_BLOCKS_METRIC, ("remote_deliver",))] == 3
+    assert dst.counters[(TRANSFER_BYTES_METRIC, ("remote_deliver",))] == 3 * 4096
+    assert src.counters[(TRANSFER_BLOCKS_METRIC, ("source_write",))] == 3
+    assert src.counters[(TRANSFER_BYTES_METRIC, ("source_write",))] == 3 * 4096
+    assert len(dst.histograms[(DURATION_METRIC, ("remote_deliver", "partial"))]) == 1
+    assert len(dst.histograms[(DURATION_METRIC, ("peer_setup", "success"))]) == 1
+    assert len(src.histograms[(DURATION_METRIC, ("framework_pin_wait", "success"))]) == 1
+    assert len(src.histograms[(DURATION_METRIC, ("transfer", "success"))]) == 1
+    assert dst.gauges[("kvcr_state", ("peer_links",))] == 1
+    assert src.gauges[("kvcr_state", ("source_stalled",))] == 0
