@@ -24,6 +24,22 @@ def key(i: int) -> BlockKey:
     return BlockKey(b"k%06d" % i)
 
 
+def router_hint(endpoint: str, block_hashes: list[int]) -> dict:
+    """The envelope Dynamo's KV router sends: fetch these blocks from ``endpoint``."""
+    return {
+        "protocol_version": "0.1",
+        "message_id": 1,
+        "actions": [
+            {
+                "action_id": 1,
+                "action_type": "kv.fetch",
+                "action_version": "1.0",
+                "payload": {"source_control_endpoint": endpoint, "block_hashes": block_hashes},
+            }
+        ],
+    }
+
+
 class EngineSim:
     def __init__(
         self,

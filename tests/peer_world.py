@@ -13,7 +13,7 @@ from typing import Any
 
 import trio
 
-from engine_sim import EngineSim, Recorder
+from engine_sim import EngineSim, Recorder, router_hint
 from kvcr.config import KVCRBackendConfigs, RemoteFWDramOptions
 from kvcr.runtime.harness import kvcr_in_loop
 from kvcr.telemetry import InMemoryStats
@@ -130,18 +130,7 @@ class Worker:
         return self.engine.refs(element)
 
     def hint(self, source: Worker, keys: list[int]) -> dict:
-        return {
-            "protocol_version": "0.1",
-            "message_id": 1,
-            "actions": [
-                {
-                    "action_id": 1,
-                    "action_type": "kv.fetch",
-                    "action_version": "1.0",
-                    "payload": {"source_control_endpoint": source.endpoint, "block_hashes": keys},
-                }
-            ],
-        }
+        return router_hint(source.endpoint, keys)
 
     async def deposit(self, pairs: list[tuple[int, int]]) -> dict:
         handle = self.kv.deposit({key(k): self.refs(e) for k, e in pairs})
@@ -169,3 +158,13 @@ class World:
             if kind == message.TYPE:
                 out.append(message)
         return out
+
+
+async def share(source: Worker, dest: Worker, keys: list[int], request_id: str = "r") -> None:
+    """``source`` computed and deposited ``keys`` (element k holds key k), the router sent
+    ``dest`` a hint for them, and the link between the two is set up."""
+    for k in keys:
+        source.engine.write(k, seed=k)
+    await source.deposit([(k, k) for k in keys])
+    dest.kv.submit_hint(dest.hint(source, keys), request_id=request_id)
+    await trio.sleep(0.01)

@@ -30,6 +30,7 @@ from kvcr.config import (
 from kvcr.errors import KVCRServiceError
 from kvcr.hints import HintBook, parse_router_hint
 from kvcr.logs import get_logger
+from kvcr.policy import HOOKS as POLICY_HOOKS
 from kvcr.policy import G3LRUPolicy, KVCachePolicy, LRUPolicy
 from kvcr.runtime.memory import MemoryMap
 from kvcr.runtime.runtime import Callbacks, Runtime
@@ -52,15 +53,6 @@ from kvcr.types import (
 STARTUP_TIMEOUT_S = 60.0
 MISS = (QueryStatus.MISS, None)
 REMOTE = (QueryStatus.FETCHABLE, CacheTier.REMOTE_G2)
-_POLICY_HOOKS = (
-    "decide_ingest",
-    "eviction_score",
-    "decide_eviction",
-    "on_ingest",
-    "on_remove",
-    "on_align_sequence",
-    "decide_recovery",
-)
 
 
 def _callable(name: str, value: object, required: bool) -> None:
@@ -108,7 +100,7 @@ class KVCRBindings:
             _callable(name, getattr(self, name), False)
         _has_methods("framework_control", self.framework_control, ("send", "recv"))
         _has_methods("key_adapter", self.key_adapter, ("encode", "decode"))
-        _has_methods("policy", self.policy, _POLICY_HOOKS)
+        _has_methods("policy", self.policy, POLICY_HOOKS)
 
 
 class KVCR:

@@ -31,6 +31,17 @@ from kvcr.types import (
     PlacementFailure,
 )
 
+#: The methods a policy object must have (a duck-typed policy needs all of them).
+HOOKS = (
+    "decide_ingest",
+    "eviction_score",
+    "decide_eviction",
+    "on_ingest",
+    "on_remove",
+    "on_align_sequence",
+    "decide_recovery",
+)
+
 STORE_LOCAL: PlacementDecision = (PlacementAction.COPY_TO, CacheTier.LOCAL_G2)
 DROP: PlacementDecision = (PlacementAction.DROP, None)
 SPILL_TO_G3: PlacementDecision = (PlacementAction.MOVE_TO, CacheTier.G3)

@@ -15,6 +15,7 @@ import zlib
 import numpy as np
 import pytest
 
+from engine_sim import router_hint
 from kvcr import (
     DURATION_METRIC,
     KVCR,
@@ -158,21 +159,6 @@ def test_telemetry_disabled_changes_nothing_but_get_stats(adapter: Adapter) -> N
         assert kv.get_stats() is None
     finally:
         kv.close()
-
-
-def router_hint(endpoint: str, hashes: list[int]) -> dict:
-    return {
-        "protocol_version": "0.1",
-        "message_id": 1,
-        "actions": [
-            {
-                "action_id": 1,
-                "action_type": "kv.fetch",
-                "action_version": "1.0",
-                "payload": {"source_control_endpoint": endpoint, "block_hashes": hashes},
-            }
-        ],
-    }
 
 
 def test_a_router_hint_makes_covered_keys_fetchable_for_its_request(adapter: Adapter) -> None:

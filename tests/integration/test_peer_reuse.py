@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from engine_sim import EngineSim, Recorder
+from engine_sim import EngineSim, Recorder, router_hint
 from kvcr import KVCR
 from kvcr.config import KVCRBackendConfigs, RemoteFWDramOptions
 from kvcr.control_channels import ZmqPeerControlChannel
@@ -119,24 +119,7 @@ class Destination:
         self.channel.close()  # the adapter owns its channel
 
     def hint(self, source: SourceWorker, keys: list[int], request_id: str) -> None:
-        self.kv.submit_hint(
-            {
-                "protocol_version": "0.1",
-                "message_id": request_id,
-                "actions": [
-                    {
-                        "action_id": 0,
-                        "action_type": "kv.fetch",
-                        "action_version": "1.0",
-                        "payload": {
-                            "source_control_endpoint": source.endpoint,
-                            "block_hashes": keys,
-                        },
-                    }
-                ],
-            },
-            request_id=request_id,
-        )
+        self.kv.submit_hint(router_hint(source.endpoint, keys), request_id=request_id)
 
     def deliver(self, pairs: list[tuple[int, int]], request_id: str, timeout: float = 10) -> dict:
         handle = self.kv.deliver(

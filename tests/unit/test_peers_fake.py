@@ -12,7 +12,7 @@ import trio
 
 from kvcr.transport import messages as m
 from kvcr.types import CacheTier, QueryStatus
-from peer_world import Worker, World, key
+from peer_world import Worker, World, key, share
 
 REMOTE = (QueryStatus.FETCHABLE, CacheTier.REMOTE_G2)
 HIT = (QueryStatus.HIT, CacheTier.LOCAL_G2)
@@ -132,10 +132,7 @@ async def test_past_the_deadline_the_destination_fails_probes_and_holds_memory(a
     a = Worker(world, "a", operation_timeout_ms=1000, abandon_timeout_ms=10000)
     b = Worker(world, "b")
     async with a.running(), b.running():
-        a.engine.write(0, seed=1)
-        await a.deposit([(0, 0)])
-        b.kv.submit_hint(b.hint(a, [0]), request_id="r")
-        await trio.sleep(0.01)
+        await share(a, b, [0])
         from kvcr.transport.fake import NEVER
 
         a.transport.script.append(NEVER)
@@ -169,10 +166,7 @@ async def test_a_source_cancels_a_write_hung_past_its_abandon_deadline(autojump_
     world = World()
     a, b = Worker(world, "a"), Worker(world, "b")
     async with a.running(), b.running():
-        a.engine.write(0, seed=1)
-        await a.deposit([(0, 0)])
-        b.kv.submit_hint(b.hint(a, [0]), request_id="r")
-        await trio.sleep(0.01)
+        await share(a, b, [0])
         a.transport.script.append(NEVER)  # the destination never lets the write finish
         posted = trio.current_time()
         handle = b.kv.deliver({key(0): b.refs(10)}, request_id="r")
@@ -195,10 +189,7 @@ async def test_a_late_success_after_the_deadline_stays_a_failure(autojump_clock)
     world = World()
     a, b = Worker(world, "a"), Worker(world, "b")
     async with a.running(), b.running():
-        a.engine.write(0, seed=1)
-        await a.deposit([(0, 0)])
-        b.kv.submit_hint(b.hint(a, [0]), request_id="r")
-        await trio.sleep(0.01)
+        await share(a, b, [0])
         a.transport.script.append(Behavior(delay=1.5))
 
         handle = b.kv.deliver({key(0): b.refs(10)}, request_id="r")

@@ -21,6 +21,7 @@ from typing import Any
 
 import trio
 
+from kvcr.policy import HOOKS as POLICY_HOOKS
 from kvcr.policy import KVCachePolicy
 from kvcr.runtime.index import Block, BlockIndex, BlockState
 from kvcr.runtime.memory import MemoryMap
@@ -41,15 +42,6 @@ from kvcr.types import (
 _G2 = frozenset({CacheTier.LOCAL_G2})
 _STORE = (PlacementAction.COPY_TO, CacheTier.LOCAL_G2)
 _DROP = (PlacementAction.DROP, None)
-POLICY_HOOKS = (
-    "decide_ingest",
-    "eviction_score",
-    "decide_eviction",
-    "on_ingest",
-    "on_remove",
-    "on_align_sequence",
-    "decide_recovery",
-)
 _NONE: frozenset[CacheTier] = frozenset()
 
 
