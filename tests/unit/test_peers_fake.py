@@ -382,3 +382,26 @@ async def test_telemetry_counts_agree_on_both_sides_of_a_pull(autojump_clock):
     assert len(src.histograms[(DURATION_METRIC, ("transfer", "success"))]) == 1
     assert dst.gauges[("kvcr_state", ("peer_links",))] == 1
     assert src.gauges[("kvcr_state", ("source_stalled",))] == 0
+
+
+async def test_a_duplicate_completion_is_dropped_and_changes_nothing(autojump_clock):
+    from kvcr.logs import capture_events
+
+    world = World()
+    a, b = Worker(world, "a"), Worker(world, "b")
+    async with a.running(), b.running():
+        await share(a, b, [0, 1])
+        assert statuses(await b.deliver([(0, 10)])) == {key(0): "SUCCESS"}
+        pull = world.sent("pull")[0]
+        replay = m.encode(m.Written(world.sent("hello_ack")[0].incarnation, pull.req, [0]))
+
+        with capture_events() as events:
+            b.transport._notifs.append(("a", replay))
+            b.transport._notifs.append(("a", replay))
+            await trio.sleep(0.01)
+            entries = await b.deliver([(1, 11)])
+
+        assert statuses(entries) == {key(1): "SUCCESS"}
+        drops = [e["kind"] for e in events if e["event"] == "peer_message_dropped"]
+        assert drops == ["unknown_written"]
+        assert b.kv.poll_completed() == []
