@@ -114,3 +114,14 @@ def test_victim_order_is_the_latest_score_of_each_live_block(updates) -> None:
     got = [(latest[b.key], b.key) for b in index.victims(lambda b: latest[b.key])]
     assert [k for _, k in got] == [k for _, k in sorted(got, key=lambda x: x[0])]
     assert {k for _, k in got} == set(latest)
+
+
+def test_a_batch_gets_ascending_slots_so_nixl_can_merge_adjacent_descriptors() -> None:
+    index = make_index(slots=8, pools=2)
+    first = index.add_filling_batch([b"a", b"b", b"c", b"d"], now=0.0)
+    for block in first[1:3]:
+        index.remove(block)  # frees slots 1 and 2, pushed in that order
+
+    batch = index.add_filling_batch([b"x", b"y", b"z"], now=0.0)
+
+    assert [b.slots for b in batch] == [(1, 1), (2, 2), (4, 4)]

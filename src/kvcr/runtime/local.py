@@ -289,7 +289,7 @@ class LocalG2:
                 "no_evict blocks cannot be evicted)"
             )
         self.outbox.answer(op, answers)
-        blocks = [self.index.add_filling(key, now) for key in new[:granted]]
+        blocks = self.index.add_filling_batch(new[:granted], now)
         if blocks:
             await self._fill(op, blocks, sources, no_evict)
         return waits

@@ -85,30 +85,44 @@ class MemoryMap:
         return tuple(self._resolve_ref(what, position, pool, ref) for pool, ref in enumerate(refs))
 
     def _resolve_ref(self, what: str, position: int, pool: int, ref: object) -> int:
+        # The fast path checks everything without building a message; the slow path names
+        # exactly what is wrong.
+        if type(ref) is MemoryRef and ref.end_point_name == self.agent_name:
+            entry = self.regions.get(ref.label)
+            if entry is not None:
+                region, base = entry
+                index = ref.element_index
+                if (
+                    type(index) is int
+                    and 0 <= index < region.count
+                    and region.size == self.block_sizes[pool]
+                ):
+                    return base + index
+        raise ValueError(self._ref_problem(what, position, pool, ref))
+
+    def _ref_problem(self, what: str, position: int, pool: int, ref: object) -> str:
         where = f"{what}: key #{position} ref {pool}"
         if not isinstance(ref, MemoryRef):
-            raise ValueError(f"{where} must be a MemoryRef, got {type(ref).__name__}")
+            return f"{where} must be a MemoryRef, got {type(ref).__name__}"
         if ref.end_point_name != self.agent_name:
-            raise ValueError(
+            return (
                 f"{where}: agent {ref.end_point_name!r} is not this instance's agent "
                 f"{self.agent_name!r}"
             )
         entry = self.regions.get(ref.label)
         if entry is None:
-            raise ValueError(
+            return (
                 f"{where}: region {ref.label!r} is not a registered framework region "
                 f"(labels: {sorted(self.regions)})"
             )
-        region, base = entry
+        region, _base = entry
         index = ref.element_index
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < region.count:
-            raise ValueError(
+            return (
                 f"{where}: element_index {index!r} is out of range for region {ref.label!r} "
                 f"(count {region.count})"
             )
-        if region.size != self.block_sizes[pool]:
-            raise ValueError(
-                f"{where}: region {ref.label!r} has {region.size}-byte elements, pool "
-                f"{self.pool_names[pool]!r} has {self.block_sizes[pool]}-byte blocks"
-            )
-        return base + index
+        return (
+            f"{where}: region {ref.label!r} has {region.size}-byte elements, pool "
+            f"{self.pool_names[pool]!r} has {self.block_sizes[pool]}-byte blocks"
+        )

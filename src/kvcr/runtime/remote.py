@@ -119,7 +119,7 @@ class Remote:
             answers[key] = FAILED
         self.outbox.answer(op, answers)
         now = trio.current_time()
-        blocks = [self.index.add_filling(key, now) for key in accepted[:granted]]
+        blocks = self.index.add_filling_batch(accepted[:granted], now)
         if not blocks:
             return
         for block in blocks:
