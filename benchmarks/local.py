@@ -4,20 +4,36 @@ Run: ``uv run python benchmarks/local.py [--quick] [--json-only]``
 
 Measures, in one run (so that ratios compare figures taken under the same machine noise):
 
-1. deposit / deliver throughput through kvcr (7 MiB and 64 KiB blocks), beside ``np.copyto``
-   of the same bytes and a bare NIXL agent doing the same prepped loopback READ;
-2. ``query`` cost per key (1, 100, 10,000 keys; resident and all-miss);
-3. median / p99 latency of every engine-facing call, as seen by the calling thread;
-4. idle CPU of one instance.
+1. deposit / deliver throughput through kvcr (16 x 7 MiB and 256 x 64 KiB per operation),
+   beside ``np.copyto`` of the same bytes and a bare NIXL agent doing the same prepped
+   loopback READ, and kvcr's cost per key over raw NIXL, ``(t_kvcr - t_raw) / keys``. NIXL
+   merges descriptors adjacent on both sides into one copy, which raw NIXL's in-order blocks
+   always allow and kvcr's pool slots often do not: a diagnostic row reverses the raw
+   destinations to show what that is worth;
+2. fixed cost per operation: round trip of a 1 x 4 KiB and a 16 x 4 KiB deposit and
+   deliver, and the runtime's cost per extra key, ``(t16 - t1) / 15``;
+3. ``query`` cost per key (1, 100, 10,000 keys; resident and all-miss);
+4. median / p99 latency of every engine-facing call, as seen by the calling thread;
+5. idle CPU of one instance.
 
 Prints a human table, then one JSON line per measurement:
 ``{"bench", "case", "value", "unit", "baseline", "ratio"}``.
 
 A kvcr operation is timed from the engine call until ``poll_completed`` has returned all of
-its entries, polling in a tight loop (how an engine measures it). Two diagnostic rows
-("diag:") repeat it with ``time.sleep(0)`` between polls, and with a tight poll under
-``sys.setswitchinterval(0.0002)`` (default 0.005): both let the runtime thread get the GIL
-back sooner, so their gap to the plain rows is what GIL hand-over costs.
+its entries, polled the way an engine polls ("engine poll"): call ``poll_completed``, and if
+the operation is not complete, ``time.sleep(0)`` before polling again. An engine calls
+``poll_completed`` once per scheduler step and in between does work that releases the GIL
+(GPU launches, I/O); ``time.sleep(0)`` is that GIL-releasing yield. These rows carry the
+targets.
+
+Rows marked "diag:" are diagnostics, not targets: the same operation with the engine thread
+spinning on ``poll_completed`` in pure Python ("tight spin"), with the default switch
+interval (5 ms) and with ``sys.setswitchinterval(0.0002)``. tight spin: the engine thread
+holds the GIL; the runtime waits a switch interval per GIL hand-over (after its epoll wake,
+and after NIXL's transfer post, which releases the GIL during the loopback copy). Another
+diagnostic does the raw NIXL READ on a worker thread while the engine thread engine-polls
+for it: the floor of any design that copies on a thread of its own, as kvcr's runtime does
+(a thread wake-up, GIL hand-overs, and a copy that runs slower while the other core is busy).
 """
 
 from __future__ import annotations
@@ -30,7 +46,9 @@ os.environ.setdefault("UCX_MEM_EVENTS", "no")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 import argparse
+import functools
 import json
+import queue
 import statistics
 import sys
 import threading
@@ -56,6 +74,15 @@ KIB = 1 << 10
 MIB = 1 << 20
 OP_TIMEOUT_S = 30.0
 DIAG_SWITCH_S = 0.0002  # sys.setswitchinterval for the diagnostic rows (default 0.005)
+KVCR_POLL = "kvcr (engine poll: yield between polls)"
+TIGHT_SPIN_NOTE = (
+    "tight spin: the engine thread holds the GIL; the runtime waits a switch interval per GIL "
+    "hand-over"
+)
+ENGINE_POLL_NOTE = (
+    "engine poll: poll_completed, then time.sleep(0) (a GIL-releasing yield) until the op is "
+    "complete; primary kvcr rows and targets use it"
+)
 
 
 # -- results -----------------------------------------------------------------------------
@@ -136,9 +163,12 @@ def print_table(rows: Sequence[Row], header: str) -> None:
     print(flush=True)
 
 
+_STARTED = time.monotonic()
+
+
 def log(msg: str, quiet: bool) -> None:
     if not quiet:
-        print(f"# {msg}", file=sys.stderr, flush=True)
+        print(f"# {time.monotonic() - _STARTED:5.1f} s  {msg}", file=sys.stderr, flush=True)
 
 
 # -- helpers -----------------------------------------------------------------------------
@@ -199,7 +229,12 @@ def make_instance(
 
 
 class Engine:
-    """The engine side of one instance: submits, and collects completions by handle."""
+    """The engine side of one instance: submits, and collects completions by handle.
+
+    Polling is the engine's: ``poll_completed``, then, if the operation is not complete,
+    ``time.sleep(0)`` (a GIL-releasing yield, as an engine's work between scheduler steps)
+    before the next poll. ``spin=True`` is the diagnostic tight spin instead.
+    """
 
     def __init__(self, kv: KVCR, agent: str) -> None:
         self.kv = kv
@@ -209,40 +244,80 @@ class Engine:
     def ref(self, element: int) -> list[MemoryRef]:
         return [MemoryRef(end_point_name=self.agent, element_index=element)]
 
-    def wait(self, handle: int, nkeys: int, yielding: bool = True) -> dict[bytes, Any]:
-        """Poll until the op's ``nkeys`` entries are in; returns them."""
+    def wait(self, handle: int, nkeys: int) -> dict[bytes, Any]:
+        """Engine poll until the op's ``nkeys`` entries are in; returns them."""
         entries = self.results.setdefault(handle, {})
         deadline = time.monotonic() + OP_TIMEOUT_S
-        while len(entries) < nkeys:
+        while True:
             for op, done in self.kv.poll_completed():
                 self.results.setdefault(op, {}).update(done)
-            if yielding:
-                time.sleep(0)
+            if len(entries) >= nkeys:
+                return self.results.pop(handle)
+            time.sleep(0)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"op {handle}: {len(entries)}/{nkeys} entries after timeout")
-        return self.results.pop(handle)
 
     def timed(
-        self, submit: Callable[[], int], nkeys: int, yielding: bool = False
+        self, submit: Callable[[], int], nkeys: int, spin: bool = False
     ) -> tuple[float, dict[bytes, Any]]:
         """Seconds from the engine call until poll_completed returned all entries."""
-        kv, clock = self.kv, time.perf_counter
+        kv, clock, pause = self.kv, time.perf_counter, time.sleep
         t0 = clock()
         deadline = t0 + OP_TIMEOUT_S
         handle = submit()
         got: dict[bytes, Any] = {}
-        while len(got) < nkeys:
+        while True:
             for op, done in kv.poll_completed():
                 if op == handle:
                     got.update(done)
                 else:
                     self.results.setdefault(op, {}).update(done)
-            if yielding:
-                time.sleep(0)
+            if len(got) >= nkeys:
+                break
+            if not spin:
+                pause(0)
             if clock() > deadline:
                 raise RuntimeError(f"op {handle}: {len(got)}/{nkeys} entries after timeout")
         elapsed = clock() - t0
         return elapsed, got
+
+
+class Worker:
+    """A thread of its own that runs what the engine thread hands it, while the engine thread
+    engine-polls for the result: raw NIXL done this way is the floor of any design that
+    copies on a runtime thread (thread wake-up, GIL hand-overs, both cores busy)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="bench-worker", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            run, out = job
+            try:
+                out.append(run())
+            except BaseException as exc:
+                out.append(exc)
+
+    def timed(self, run: Callable[[], object]) -> float:
+        """Seconds from the hand-over until the engine thread sees the job done."""
+        out: list[object] = []
+        clock, pause = time.perf_counter, time.sleep
+        t0 = clock()
+        self._jobs.put((run, out))
+        while not out:
+            pause(0)
+            if clock() - t0 > OP_TIMEOUT_S:
+                raise RuntimeError("worker: job not done after timeout")
+        elapsed = clock() - t0
+        if isinstance(out[0], BaseException):
+            raise out[0]
+        return elapsed
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
 
 
 def all_success(what: str, entries: dict[bytes, Any], nkeys: int) -> None:
@@ -277,12 +352,15 @@ class RawNixl:
         self._dlists += [local, loopback]
         return local, loopback
 
-    def read(self, dst_local: Any, src_loopback: Any, count: int) -> float:
-        """Copy ``count`` blocks (dst <- src); seconds from make to release."""
+    def read(self, dst_local: Any, src_loopback: Any, count: int, reverse: bool = False) -> float:
+        """Copy ``count`` blocks (dst <- src); seconds from make to release. NIXL merges
+        descriptors adjacent on both sides into one copy; ``reverse`` (block i to block
+        count - 1 - i) prevents that, as kvcr's pool slots after evictions often do."""
         agent = self.agent
         idx = list(range(count))
+        dst_idx = idx[::-1] if reverse else idx
         t0 = time.perf_counter()
-        handle = agent.make_prepped_xfer("READ", dst_local, idx, src_loopback, idx)
+        handle = agent.make_prepped_xfer("READ", dst_local, dst_idx, src_loopback, idx)
         state = agent.transfer(handle)
         while state == "PROC":
             state = agent.check_xfer_state(handle)
@@ -301,7 +379,14 @@ class RawNixl:
 
 
 def bench_throughput(
-    rows: list[Row], raw: RawNixl, label: str, block: int, count: int, reps: int, quiet: bool
+    rows: list[Row],
+    per_key: dict[str, float],
+    raw: RawNixl,
+    label: str,
+    block: int,
+    count: int,
+    reps: int,
+    quiet: bool,
 ) -> None:
     nbytes = block * count
     gb = nbytes / 1e9
@@ -319,6 +404,7 @@ def bench_throughput(
     agent = f"bench-{label}"
     kv = make_instance(agent, block, engine, pool)
     eng = Engine(kv, agent)
+    worker = Worker()
     try:
         raw.register(engine)
         raw.register(scratch)
@@ -354,25 +440,16 @@ def bench_throughput(
 
         serial = iter(range(10**9))
 
-        def deposit(yielding: bool) -> float:
+        def deposit(spin: bool = False) -> float:
             blocks = {b"D%09d" % next(serial): eng.ref(i) for i in range(count)}
-            elapsed, got = eng.timed(lambda: kv.deposit(blocks), count, yielding)
+            elapsed, got = eng.timed(lambda: kv.deposit(blocks), count, spin)
             all_success("deposit", got, count)
             return elapsed
 
-        def deliver(yielding: bool) -> float:
-            elapsed, got = eng.timed(lambda: kv.deliver(delivery), count, yielding)
+        def deliver(spin: bool = False) -> float:
+            elapsed, got = eng.timed(lambda: kv.deliver(delivery), count, spin)
             all_success("deliver", got, count)
             return elapsed
-
-        def short_switch(run: Callable[[bool], float]) -> float:
-            """Diagnostic: tight poll, but the GIL changes hands every 0.2 ms, not 5 ms."""
-            previous = sys.getswitchinterval()
-            sys.setswitchinterval(DIAG_SWITCH_S)
-            try:
-                return run(False)
-            finally:
-                sys.setswitchinterval(previous)
 
         def memcpy(dst: np.ndarray, src: np.ndarray) -> float:
             t0 = time.perf_counter()
@@ -382,14 +459,22 @@ def bench_throughput(
         cases: dict[str, Callable[[], float]] = {
             "deposit/memcpy": lambda: memcpy(scratch, src_view),
             "deposit/raw-nixl": lambda: raw.read(scr_local, src_loop, count),
-            "deposit/kvcr": lambda: deposit(False),
-            "deposit/kvcr-yielding": lambda: deposit(True),
-            "deposit/kvcr-switch": lambda: short_switch(deposit),
+            "deposit/raw-nixl-reverse": lambda: raw.read(scr_local, src_loop, count, True),
+            "deposit/raw-nixl-worker": lambda: worker.timed(
+                lambda: raw.read(scr_local, src_loop, count)
+            ),
+            "deposit/kvcr": deposit,
+            "deposit/kvcr-spin": lambda: deposit(spin=True),
+            "deposit/kvcr-spin-switch": lambda: short_switch(deposit),
             "deliver/memcpy": lambda: memcpy(scratch2, scratch),
             "deliver/raw-nixl": lambda: raw.read(scr2_local, scr_loop, count),
-            "deliver/kvcr": lambda: deliver(False),
-            "deliver/kvcr-yielding": lambda: deliver(True),
-            "deliver/kvcr-switch": lambda: short_switch(deliver),
+            "deliver/raw-nixl-reverse": lambda: raw.read(scr2_local, scr_loop, count, True),
+            "deliver/raw-nixl-worker": lambda: worker.timed(
+                lambda: raw.read(scr2_local, scr_loop, count)
+            ),
+            "deliver/kvcr": deliver,
+            "deliver/kvcr-spin": lambda: deliver(spin=True),
+            "deliver/kvcr-spin-switch": lambda: short_switch(deliver),
         }
         times: dict[str, list[float]] = {name: [] for name in cases}
         for rep in range(reps + 2):  # two warm-up rounds, interleaved cases
@@ -411,8 +496,12 @@ def bench_throughput(
         if sorted(got) != sorted(src_crcs):
             raise RuntimeError(f"{label}: a timed deposit stored wrong bytes")
     finally:
+        worker.close()
         kv.close()
         raw.reset()
+
+    def seconds(name: str) -> float:
+        return statistics.median(times[name])
 
     def gbps(name: str) -> tuple[float, float]:
         samples = times[name]
@@ -422,9 +511,13 @@ def bench_throughput(
     for direction in ("deposit", "deliver"):
         mc_med, mc_best = gbps(f"{direction}/memcpy")
         raw_med, raw_best = gbps(f"{direction}/raw-nixl")
+        reverse_med, _ = gbps(f"{direction}/raw-nixl-reverse")
+        worker_med, _ = gbps(f"{direction}/raw-nixl-worker")
         kv_med, kv_best = gbps(f"{direction}/kvcr")
-        ky_med, _ = gbps(f"{direction}/kvcr-yielding")
-        ks_med, _ = gbps(f"{direction}/kvcr-switch")
+        spin_med, _ = gbps(f"{direction}/kvcr-spin")
+        switch_med, _ = gbps(f"{direction}/kvcr-spin-switch")
+        overhead = (seconds(f"{direction}/kvcr") - seconds(f"{direction}/raw-nixl")) / count * 1e6
+        per_key[f"{direction} {what}"] = overhead
         gated = block == 7 * MIB
         target = ">=0.8x memcpy" if gated else ""
         rows += [
@@ -434,24 +527,195 @@ def bench_throughput(
             Row(direction, f"{what} raw-nixl best", raw_best, "GB/s", mc_best),
             Row(
                 direction,
-                f"{what} kvcr median vs memcpy",
+                f"{what} {KVCR_POLL} median vs memcpy",
                 kv_med,
                 "GB/s",
                 mc_med,
                 target,
                 kv_med >= 0.8 * mc_med if gated else None,
             ),
-            Row(direction, f"{what} kvcr median vs raw-nixl", kv_med, "GB/s", raw_med),
-            Row(direction, f"{what} kvcr best vs memcpy", kv_best, "GB/s", mc_best),
-            Row(direction, f"{what} kvcr best vs raw-nixl", kv_best, "GB/s", raw_best),
-            Row(direction, f"{what} diag: kvcr yielding poll median", ky_med, "GB/s", mc_med),
+            Row(direction, f"{what} {KVCR_POLL} median vs raw-nixl", kv_med, "GB/s", raw_med),
+            Row(direction, f"{what} {KVCR_POLL} best vs memcpy", kv_best, "GB/s", mc_best),
+            Row(direction, f"{what} {KVCR_POLL} best vs raw-nixl", kv_best, "GB/s", raw_best),
             Row(
-                direction, f"{what} diag: kvcr switchinterval 0.2ms median", ks_med, "GB/s", mc_med
+                direction,
+                f"{what} kvcr us per key overhead ((kvcr - raw-nixl) / {count}, medians)",
+                overhead,
+                "us/key",
+            ),
+            Row(
+                direction,
+                f"{what} diag: raw-nixl, destinations reversed (no descriptor merge) median",
+                reverse_med,
+                "GB/s",
+                raw_med,
+            ),
+            Row(
+                direction,
+                f"{what} diag: raw-nixl on a worker thread, engine poll, median",
+                worker_med,
+                "GB/s",
+                raw_med,
+            ),
+            Row(
+                direction,
+                f"{what} diag: {KVCR_POLL} median vs raw-nixl on a worker thread",
+                kv_med,
+                "GB/s",
+                worker_med,
+            ),
+            Row(direction, f"{what} diag: kvcr tight spin median", spin_med, "GB/s", mc_med),
+            Row(
+                direction,
+                f"{what} diag: kvcr tight spin, switchinterval 0.2ms median",
+                switch_med,
+                "GB/s",
+                mc_med,
             ),
         ]
 
 
-# -- 2. query ----------------------------------------------------------------------------
+def short_switch(run: Callable[..., float]) -> float:
+    """Diagnostic: tight spin, but the GIL changes hands every 0.2 ms, not 5 ms."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(DIAG_SWITCH_S)
+    try:
+        return run(spin=True)
+    finally:
+        sys.setswitchinterval(previous)
+
+
+# -- 2. fixed cost per operation ----------------------------------------------------------
+
+
+def bench_roundtrip(
+    rows: list[Row],
+    per_key: dict[str, float],
+    raw: RawNixl,
+    trips: int,
+    spin_every: int,
+    quiet: bool,
+) -> None:
+    """Round trip (engine call -> poll_completed has every entry) of small operations, so
+    that kvcr's fixed cost per operation and its runtime cost per key show."""
+    block, held, warm = 4 * KIB, 16, 30
+    log(f"round trips: 1 and {held} x 4 KiB, {trips} trips", quiet)
+    region = 4 * held  # [0, held) deposit sources, [held, 2 held) deliver targets
+    engine = randomized(block * region, seed=13)
+    # A small pool: after the warm-up trips every deposit evicts, as in steady state.
+    pool = touched(block * 256)
+    scratch = touched(block * held, 0x77)  # raw NIXL: engine sources -> scratch
+    agent = "bench-trip"
+    kv = make_instance(agent, block, engine, pool)
+    eng = Engine(kv, agent)
+    worker = Worker()
+    settle = 100e-6  # let the runtime go idle between samples (outside the timed region)
+    sizes = (1, held)
+    times: dict[str, list[float]] = {}
+    try:
+        raw.register(engine)
+        raw.register(scratch)
+        _, src_loop = raw.dlists(engine[: block * held], block, held)
+        scr_local, _ = raw.dlists(scratch, block, held)
+
+        resident = {b"K%06d" % i: eng.ref(i) for i in range(held)}
+        all_success("held deposit", eng.wait(kv.deposit(resident, no_evict=True), held), held)
+        targets = {
+            n: {key: eng.ref(held + i) for i, key in enumerate(list(resident)[:n])} for n in sizes
+        }
+        all_success("check deliver", eng.wait(kv.deliver(targets[held]), held), held)
+        src_crcs = crcs(engine, block, held)
+        if crcs(engine[block * held :], block, held) != src_crcs:
+            raise RuntimeError("round trip: delivered bytes differ from deposited bytes")
+        raw.read(scr_local, src_loop, held)
+        if crcs(scratch, block, held) != src_crcs:
+            raise RuntimeError("round trip: raw NIXL READ moved wrong bytes")
+
+        serial = iter(range(10**9))
+
+        def deposit(n: int, spin: bool = False) -> float:
+            blocks = {b"t%09d" % next(serial): eng.ref(i) for i in range(n)}
+            elapsed, got = eng.timed(lambda: kv.deposit(blocks), n, spin)
+            all_success("round trip deposit", got, n)
+            return elapsed
+
+        def deliver(n: int) -> float:
+            elapsed, got = eng.timed(lambda: kv.deliver(targets[n]), n)
+            all_success("round trip deliver", got, n)
+            return elapsed
+
+        cases: dict[str, Callable[[], float]] = {}
+        for n in sizes:
+            cases[f"deposit/{n}"] = functools.partial(deposit, n)
+            cases[f"deliver/{n}"] = functools.partial(deliver, n)
+            cases[f"raw-nixl/{n}"] = functools.partial(raw.read, scr_local, src_loop, n)
+            cases[f"worker/{n}"] = functools.partial(
+                worker.timed, functools.partial(raw.read, scr_local, src_loop, n)
+            )
+        spin_case = functools.partial(deposit, 1, spin=True)
+        times = {name: [] for name in [*cases, "spin"]}
+        for trip in range(warm + trips):  # interleaved cases
+            for name, run in cases.items():
+                elapsed = run()
+                if trip >= warm:
+                    times[name].append(elapsed * 1e6)
+                time.sleep(settle)
+            if trip % spin_every == 0:  # ~10 ms each: sampled less often
+                elapsed = spin_case()
+                if trip >= warm:
+                    times["spin"].append(elapsed * 1e6)
+                time.sleep(settle)
+        if crcs(engine[block * held :], block, held) != src_crcs:
+            raise RuntimeError("round trip: timed delivers left wrong bytes")
+    finally:
+        worker.close()
+        kv.close()
+        raw.reset()
+
+    med = {name: statistics.median(values) for name, values in times.items()}
+    for n in sizes:
+        rows.append(Row("roundtrip", f"raw-nixl {n}x4KiB READ median", med[f"raw-nixl/{n}"], "us"))
+    for kind in ("deposit", "deliver"):
+        for n in sizes:
+            values = times[f"{kind}/{n}"]
+            what = f"{kind} {n}x4KiB, engine poll"
+            rows.append(
+                Row("roundtrip", f"{what}, median", med[f"{kind}/{n}"], "us", med[f"raw-nixl/{n}"])
+            )
+            rows.append(Row("roundtrip", f"{what}, p99", percentile(values, 99), "us"))
+        slope = (med[f"{kind}/{held}"] - med[f"{kind}/1"]) / (held - 1)
+        per_key[f"{kind}/4KiB"] = slope
+        rows.append(
+            Row(
+                "roundtrip",
+                f"{kind} kvcr us per key ((t{held} - t1) / {held - 1}, medians)",
+                slope,
+                "us/key",
+                (med[f"raw-nixl/{held}"] - med["raw-nixl/1"]) / (held - 1),
+            )
+        )
+    for n in sizes:
+        rows.append(
+            Row(
+                "roundtrip",
+                f"diag: raw-nixl {n}x4KiB READ on a worker thread, engine poll, median",
+                med[f"worker/{n}"],
+                "us",
+                med[f"raw-nixl/{n}"],
+            )
+        )
+    rows.append(Row("roundtrip", "diag: deposit 1x4KiB, tight spin, median", med["spin"], "us"))
+    rows.append(
+        Row(
+            "roundtrip",
+            "diag: deposit 1x4KiB, tight spin, p99",
+            percentile(times["spin"], 99),
+            "us",
+        )
+    )
+
+
+# -- 3. query ----------------------------------------------------------------------------
 
 
 def bench_query(rows: list[Row], samples: int, quiet: bool) -> None:
@@ -501,10 +765,10 @@ def bench_query(rows: list[Row], samples: int, quiet: bool) -> None:
         kv.close()
 
 
-# -- 3. engine-facing call latency -------------------------------------------------------
+# -- 4. engine-facing call latency -------------------------------------------------------
 
 
-def bench_calls(rows: list[Row], notes: list[str], samples: int, trips: int, quiet: bool) -> None:
+def bench_calls(rows: list[Row], notes: list[str], samples: int, quiet: bool) -> None:
     block, region, held = 4 * KIB, 256, 64
     log(f"engine-facing calls: {samples} samples each", quiet)
     engine = randomized(block * region, seed=11)
@@ -617,18 +881,6 @@ def bench_calls(rows: list[Row], notes: list[str], samples: int, trips: int, qui
         sample("poll_completed (empty)", poll)
         sample("get_stats", stats)
         sample("query (1 key)", query)
-
-        # Round trip of a 1-key deposit, call -> poll_completed has its entry: with the
-        # engine thread spinning on poll_completed, and yielding (time.sleep(0)) meanwhile.
-        trip: dict[str, list[float]] = {"tight poll": [], "yielding poll": []}
-        for i in range(trips + 10):
-            for j, values in enumerate(trip.values()):
-                blocks = {b"t%09d" % (2 * i + j): eng.ref(i % held)}
-                elapsed, got = eng.timed(lambda b=blocks: kv.deposit(b), 1, j == 1)
-                all_success("round trip deposit", got, 1)
-                if i >= 10:
-                    values.append(elapsed * 1e6)
-                time.sleep(settle)
     finally:
         kv.close()
 
@@ -636,14 +888,9 @@ def bench_calls(rows: list[Row], notes: list[str], samples: int, trips: int, qui
         med = statistics.median(values)
         rows.append(Row("call", f"{name} median", med, "us", target="<=20 us", ok=med <= 20.0))
         rows.append(Row("call", f"{name} p99", percentile(values, 99), "us"))
-    for mode, values in trip.items():
-        rows.append(
-            Row("roundtrip", f"deposit 1x4KiB, {mode}, median", statistics.median(values), "us")
-        )
-        rows.append(Row("roundtrip", f"deposit 1x4KiB, {mode}, p99", percentile(values, 99), "us"))
 
 
-# -- 4. idle CPU -------------------------------------------------------------------------
+# -- 5. idle CPU -------------------------------------------------------------------------
 
 
 def thread_cpu_s(thread: threading.Thread) -> float:
@@ -697,32 +944,77 @@ def bench_idle(rows: list[Row], seconds: float, quiet: bool) -> None:
     )
 
 
+# -- machine load ----------------------------------------------------------------------
+
+
+def cpu_busy_s() -> tuple[float, float]:
+    """(busy, steal) CPU seconds of the whole machine so far, from /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0.0, 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    # user nice system idle iowait irq softirq steal ...
+    busy = sum(fields[:3]) + sum(fields[5:7])
+    steal = fields[7] if len(fields) > 7 else 0
+    return busy / tick, steal / tick
+
+
+def load_note(wall: float, busy0: tuple[float, float], own0: float) -> str:
+    """How much CPU the rest of the machine took during the run: kvcr needs both cores
+    (engine thread and runtime thread), memcpy and raw NIXL need one, so background load
+    lowers kvcr's ratios."""
+    busy1 = cpu_busy_s()
+    own = time.process_time() - own0
+    others = max(0.0, busy1[0] - busy0[0] - own)
+    steal = busy1[1] - busy0[1]
+    return (
+        f"machine load during the run: other processes {100 * others / wall:.0f} % of a core, "
+        f"steal {100 * steal / wall:.0f} % (this process {100 * own / wall:.0f} %); kvcr "
+        "rows need both cores, so compare runs with low background load"
+    )
+
+
 # -- main --------------------------------------------------------------------------------
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions (< ~1 min)")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (~1 min)")
     parser.add_argument("--json-only", action="store_true", help="print only the JSON lines")
     args = parser.parse_args(argv)
     quiet = args.json_only
-    if args.quick:
-        reps_big, reps_small, q_samples, c_samples, trips = 6, 15, 300, 1500, 100
-    else:
-        reps_big, reps_small, q_samples, c_samples, trips = 40, 100, 1000, 5000, 400
+    if args.quick:  # ~45 s on 2 cores
+        reps_big, reps_small, trips, spin_every = 80, 250, 2000, 10
+        q_samples, c_samples = 300, 1500
+    else:  # ~2.5 min on 2 cores
+        reps_big, reps_small, trips, spin_every = 300, 800, 6000, 10
+        q_samples, c_samples = 1000, 5000
     started = time.monotonic()
+    busy0, own0 = cpu_busy_s(), time.process_time()
     rows: list[Row] = []
-    notes: list[str] = []
+    notes: list[str] = [ENGINE_POLL_NOTE, TIGHT_SPIN_NOTE]
+    per_key: dict[str, float] = {}
     bench_idle(rows, 5.0, quiet)
     raw = RawNixl("bench-raw")
-    bench_throughput(rows, raw, "7MiB", 7 * MIB, 16, reps_big, quiet)
-    bench_throughput(rows, raw, "64KiB", 64 * KIB, 256, reps_small, quiet)
+    bench_throughput(rows, per_key, raw, "7MiB", 7 * MIB, 16, reps_big, quiet)
+    bench_throughput(rows, per_key, raw, "64KiB", 64 * KIB, 256, reps_small, quiet)
+    bench_roundtrip(rows, per_key, raw, trips, spin_every, quiet)
     del raw
     bench_query(rows, q_samples, quiet)
-    bench_calls(rows, notes, c_samples, trips, quiet)
-    order = {"deposit": 0, "deliver": 1, "query": 2, "call": 3, "roundtrip": 4, "idle": 5}
+    bench_calls(rows, notes, c_samples, quiet)
+    log("done", quiet)
+    order = {"deposit": 0, "deliver": 1, "roundtrip": 2, "query": 3, "call": 4, "idle": 5}
     rows.sort(key=lambda r: order[r.bench])  # stable: keeps case order within a bench
+    notes.append(
+        "kvcr us per key overhead, (t_kvcr - t_raw-nixl) / keys: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in per_key.items() if "/" not in k)
+        + "; runtime per extra key at 4 KiB, (t16 - t1) / 15: "
+        + ", ".join(f"{k.split('/')[0]} {v:.2f}" for k, v in per_key.items() if "/" in k)
+    )
     elapsed = time.monotonic() - started
+    notes.append(load_note(elapsed, busy0, own0))
     if not args.json_only:
         mode = "quick" if args.quick else "full"
         print_table(
