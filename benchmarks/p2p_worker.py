@@ -1,0 +1,328 @@
+"""Source side ("A") of ``benchmarks/p2p.py``: a child process holding one kvcr instance (the
+peer that is pulled from) and one bare NIXL agent (the raw baseline), driven by the parent
+over a socketpair.
+
+Run by ``p2p.py`` only: ``python p2p_worker.py FD``. The parent sends pickled
+``(command, *args)`` tuples and gets one ``(status, value)`` reply each (an exception comes
+back as ``("error", traceback)``). The main thread blocks in ``recv`` between commands, like
+an engine thread busy elsewhere: the kvcr runtime thread serves pulls on its own.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Must be set before nixl is imported (nixl-on-cpu.md).
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("UCX_MEM_EVENTS", "no")
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+import gc
+import sys
+import threading
+import time
+import traceback
+import zlib
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+from kvcr import KVCR, KVCRBindings
+from kvcr.config import KVCRBackendConfigs, KVCRConfig, LocalDramOptions
+from kvcr.control_channels import ZmqPeerControlChannel
+from kvcr.types import BlockKey, MemoryRef, OpEntryStatus, RegionDescriptor
+
+try:
+    from nixl_cu13._api import nixl_agent, nixl_agent_config
+except ImportError:  # the meta package's shim
+    from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[no-redef]
+
+OP_TIMEOUT_S = 60.0
+POOL_KEY_BASE = 1_000_000  # keys deposited into the source's kvcr pool
+ENGINE_KEY_BASE = 2_000_000  # keys only the source's engine holds (served by pinning)
+
+
+def block_key(i: int) -> BlockKey:
+    return BlockKey(i.to_bytes(8, "big"))
+
+
+class IntKeys:
+    """Key adapter: a kvcr key is the router's 64-bit block hash, big-endian."""
+
+    def encode(self, framework_key: int) -> BlockKey:
+        return block_key(framework_key)
+
+    def decode(self, key: BlockKey) -> int:
+        return int.from_bytes(key, "big")
+
+
+def touched(nbytes: int, fill: int = 0) -> np.ndarray:
+    """A buffer whose pages are all faulted in (np.zeros would map them lazily)."""
+    buf = np.empty(nbytes, dtype=np.uint8)
+    buf.fill(fill)
+    return buf
+
+
+def randomized(nbytes: int, seed: int) -> np.ndarray:
+    buf = np.empty(nbytes, dtype=np.uint8)
+    np.random.default_rng(seed).random(out=buf.view(np.float64))
+    return buf
+
+
+def crcs(buf: np.ndarray, block: int, count: int) -> list[int]:
+    return [zlib.crc32(buf[i * block : (i + 1) * block]) for i in range(count)]
+
+
+def thread_cpu_s(thread: threading.Thread) -> float:
+    assert thread.ident is not None
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+
+class EnginePins:
+    """The engine's pin bindings: every requested key it holds is granted at once (the
+    engine holds key ``ENGINE_KEY_BASE + i`` in element ``i`` of its region)."""
+
+    def __init__(self, agent: str, count: int) -> None:
+        self.agent = agent
+        self.count = count
+        self._next = 0
+        self._lock = threading.Lock()
+        self._pending: list[tuple[int, list[BlockKey]]] = []
+        self.granted = 0
+        self.released = 0
+
+    def element(self, key: BlockKey) -> int | None:
+        i = int.from_bytes(key, "big") - ENGINE_KEY_BASE
+        return i if 0 <= i < self.count else None
+
+    def request_pin(self, keys: list[BlockKey]) -> int:
+        with self._lock:
+            self._next += 1
+            self._pending.append((self._next, list(keys)))
+            return self._next
+
+    def poll_pin_results(self) -> list[tuple[int, Any]]:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        out = []
+        for request, keys in pending:
+            refs = {}
+            for k in keys:
+                e = self.element(k)
+                refs[k] = (
+                    None if e is None else [MemoryRef(end_point_name=self.agent, element_index=e)]
+                )
+            self.granted += 1
+            out.append((request, (f"pin-{request}", refs)))
+        return out
+
+    def release_pin(self, handle: str) -> bool:
+        self.released += 1
+        return True
+
+
+class Source:
+    """One benchmark case's source: kvcr instance + raw NIXL registrations."""
+
+    def __init__(self, raw: Any, label: str, block: int, count: int, port: int) -> None:
+        self.block, self.count = block, count
+        self.agent = f"p2p-src-{label}-{os.getpid()}"
+        self.region = randomized(block * count, seed=block + count)
+        self.pool = touched(block * count, 0xAA)
+        self.region_crcs = crcs(self.region, block, count)
+        self.pins = EnginePins(self.agent, count)
+        self.channel = ZmqPeerControlChannel("127.0.0.1", port, "127.0.0.1")
+        self.kv = KVCR(
+            KVCRConfig(
+                self.agent,
+                [("", block)],
+                operation_timeout_ms=20_000,
+                abandon_timeout_ms=40_000,
+            ),
+            KVCRBindings(
+                request_pin=self.pins.request_pin,
+                poll_pin_results=self.pins.poll_pin_results,
+                release_pin=self.pins.release_pin,
+                framework_control=self.channel,
+                key_adapter=IntKeys(),
+            ),
+            KVCRBackendConfigs(
+                framework_regions=[
+                    RegionDescriptor(addr=self.region.ctypes.data, size=block, count=count)
+                ],
+                local_dram=LocalDramOptions([("", self.pool.ctypes.data, self.pool.nbytes)]),
+            ),
+        )
+        self.thread = next(t for t in threading.enumerate() if t.name == f"kvcr-{self.agent}")
+        # Raw baseline: the same buffers, registered with the process's bare agent.
+        self.raw = raw
+        self.regs = [
+            raw.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+            for buf in (self.region, self.pool)
+        ]
+        self.dlists: dict[str, Any] = {}
+        self.remote: Any = None
+        self.peer: str | None = None
+        self.writes = 0
+
+    def deposit(self) -> list[int]:
+        """Deposit region element i as key POOL_KEY_BASE + i; returns the pool slot of each
+        key (the raw baseline writes from the same slots)."""
+        blocks = {
+            block_key(POOL_KEY_BASE + i): [MemoryRef(end_point_name=self.agent, element_index=i)]
+            for i in range(self.count)
+        }
+        handle = self.kv.deposit(blocks, no_evict=True)
+        got: dict[BlockKey, Any] = {}
+        deadline = time.monotonic() + OP_TIMEOUT_S
+        while len(got) < self.count:
+            for op, done in self.kv.poll_completed():
+                if op == handle:
+                    got.update(done)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"deposit: {len(got)}/{self.count} entries after timeout")
+            time.sleep(0.0005)
+        bad = [k for k, v in got.items() if v.status is not OpEntryStatus.SUCCESS]
+        if bad:
+            raise RuntimeError(f"deposit: {len(bad)} keys did not succeed")
+        index = self.kv._runtime.index  # benchmark-only peek: where the blocks landed
+        slots = []
+        for i in range(self.count):
+            block = index.get(block_key(POOL_KEY_BASE + i))
+            if block is None:
+                raise RuntimeError(f"deposit: key {i} is not resident after success")
+            slots.append(block.slots[0])
+        self.slots = slots
+        pool_crcs = [zlib.crc32(self.pool[s * self.block : (s + 1) * self.block]) for s in slots]
+        if pool_crcs != self.region_crcs:
+            raise RuntimeError("deposit: pool bytes differ from the engine region's")
+        gc.collect()
+        gc.freeze()  # as vLLM does after start-up: full collections skip the start-up heap
+        return slots
+
+    def raw_connect(self, metadata: bytes, dst: list[tuple[int, int]]) -> str:
+        """Load the destination's raw agent metadata; prepare the descriptor lists the raw
+        baseline writes: pool slots (kvcr-owned case) or region elements (engine-owned)."""
+        name = self.raw.add_remote_agent(metadata)
+        self.peer = name.decode() if isinstance(name, bytes) else str(name)
+        b = self.block
+        pool = self.pool.ctypes.data
+        region = self.region.ctypes.data
+        self.dlists["pool"] = self.raw.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", [(pool + s * b, b, 0) for s in self.slots], "DRAM"
+        )
+        self.dlists["engine"] = self.raw.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", [(region + i * b, b, 0) for i in range(self.count)], "DRAM"
+        )
+        self.remote = self.raw.prep_xfer_dlist(self.peer, [(addr, n, 0) for addr, n in dst], "DRAM")
+        return self.peer
+
+    def raw_write(self, variant: str, notif: bytes, n: int) -> float:
+        """One WRITE of the first ``n`` blocks with a notification; spins until DONE (the
+        destination must call into NIXL meanwhile). Returns seconds from make to release."""
+        raw = self.raw
+        idx = list(range(n))
+        t0 = time.perf_counter()
+        handle = raw.make_prepped_xfer("WRITE", self.dlists[variant], idx, self.remote, idx, notif)
+        state = raw.transfer(handle)
+        while state == "PROC":
+            state = raw.check_xfer_state(handle)
+        raw.release_xfer_handle(handle)
+        elapsed = time.perf_counter() - t0
+        if state != "DONE":
+            raise RuntimeError(f"raw WRITE ended in state {state}")
+        self.writes += 1
+        return elapsed
+
+    def close(self) -> None:
+        self.kv.close()
+        self.channel.close()
+        for dlist in [*self.dlists.values(), *([self.remote] if self.remote else [])]:
+            dlist.release()
+        self.dlists.clear()
+        self.remote = None
+        if self.peer is not None:
+            self.raw.remove_remote_agent(self.peer)
+            self.peer = None
+        while self.regs:
+            self.raw.deregister_memory(self.regs.pop())
+
+
+def main() -> None:
+    conn = Connection(int(sys.argv[1]))
+    raw = nixl_agent(
+        f"p2p-raw-src-{os.getpid()}", nixl_agent_config(enable_prog_thread=False, backends=[])
+    )
+    raw.create_backend("UCX", {})
+    source: Source | None = None
+    idle: dict[str, float] = {}
+
+    def setup(label: str, block: int, count: int, port: int) -> dict[str, Any]:
+        nonlocal source
+        if source is not None:
+            source.close()
+            source = None
+        source = Source(raw, label, block, count, port)
+        return {"endpoint": source.channel.endpoint, "crcs": source.region_crcs}
+
+    def idle_begin() -> None:
+        assert source is not None
+        idle.update(
+            wall=time.monotonic(), proc=time.process_time(), thread=thread_cpu_s(source.thread)
+        )
+
+    def idle_end() -> dict[str, float]:
+        assert source is not None
+        wall = time.monotonic() - idle["wall"]
+        return {
+            "wall": wall,
+            "proc": time.process_time() - idle["proc"],
+            "thread": thread_cpu_s(source.thread) - idle["thread"],
+        }
+
+    def pins() -> dict[str, int]:
+        assert source is not None
+        return {"granted": source.pins.granted, "released": source.pins.released}
+
+    def on_source(method: str) -> Any:
+        def call(*args: Any) -> Any:
+            if source is None:
+                raise RuntimeError(f"{method}: no setup yet")
+            return getattr(source, method)(*args)
+
+        return call
+
+    commands = {
+        "setup": setup,
+        "deposit": on_source("deposit"),
+        "raw_connect": on_source("raw_connect"),
+        "raw_write": on_source("raw_write"),
+        "idle_begin": idle_begin,
+        "idle_end": idle_end,
+        "pins": pins,
+        "ping": lambda: None,
+    }
+    try:
+        while True:
+            try:
+                command, *args = conn.recv()
+            except EOFError:
+                return  # the parent is gone
+            if command == "stop":
+                if source is not None:
+                    source.close()
+                    source = None
+                conn.send(("ok", None))
+                return
+            try:
+                conn.send(("ok", commands[command](*args)))
+            except Exception:
+                conn.send(("error", traceback.format_exc()))
+    finally:
+        if source is not None:
+            source.close()
+
+
+if __name__ == "__main__":
+    main()
