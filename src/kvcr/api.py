@@ -198,6 +198,7 @@ class KVCR:
         self._key_adapter = bindings.key_adapter
         self._opportunistic = backend_configs.remote_fw_dram.opportunistic_query
         self._eager_connect = backend_configs.remote_fw_dram.eager_ctrl_connect
+        self._greeted: set[str] = set()
         self._close_lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
@@ -295,8 +296,12 @@ class KVCR:
         self._log.debug(
             "hint_submitted", endpoint=hint.source_control_endpoint, blocks=len(hint.ordered_hashes)
         )
-        if self._eager_connect and self._bindings.framework_control is not None:
-            self._inbox.put(("connect", hint.source_control_endpoint))
+        endpoint = hint.source_control_endpoint
+        # Only endpoints not greeted yet; a known link is re-greeted on use when needed.
+        eager = self._eager_connect and self._bindings.framework_control is not None
+        if eager and endpoint not in self._greeted:
+            self._greeted.add(endpoint)
+            self._inbox.put(("connect", endpoint))
 
     def discard_hint(self, request_id: str | None) -> None:
         self._check_open("discard_hint")

@@ -23,6 +23,7 @@ from kvcr.transport.messages import (
     MAX_KEY_BYTES,
     MAX_KEYS,
     MAX_MESSAGE_BYTES,
+    MAX_POOLS,
     PROBE_STATES,
     PROTOCOL_VERSION,
     TYPES,
@@ -51,7 +52,8 @@ EXAMPLES = [
         target=9,
         req=1,
         keys=[b"k0", b"k1"],
-        dst=[[(4096, 512)], [(8192, 512), (12288, 256)]],
+        pools=2,
+        dst=Pull.pack([(4096, 512), (16384, 256), (8192, 512), (12288, 256)]),
     ),
     Written(incarnation=9, req=1, indices=[0, 1]),
     Over(sender=EP, incarnation=9, req=1, reason="nothing to write"),
@@ -119,7 +121,8 @@ def test_bounds_are_inclusive_at_the_top():
         target=biggest,
         req=biggest,
         keys=[b"k" * MAX_KEY_BYTES],
-        dst=[[(biggest, biggest)]],
+        pools=MAX_POOLS,
+        dst=Pull.pack([(biggest, biggest)] * MAX_POOLS),
     )
     written = Written(incarnation=0, req=0, indices=[MAX_KEYS - 1])
 
@@ -127,12 +130,15 @@ def test_bounds_are_inclusive_at_the_top():
         assert decode(encode(message)) == message
 
 
-def test_a_pull_may_name_no_keys_and_a_key_may_have_no_destination_entries():
-    empty = Pull(sender=EP, incarnation=1, target=2, req=3, keys=[], dst=[])
-    no_pools = Pull(sender=EP, incarnation=1, target=2, req=3, keys=[b"k"], dst=[[]])
+def test_a_pull_may_name_no_keys():
+    empty = Pull(sender=EP, incarnation=1, target=2, req=3, keys=[], pools=1, dst=b"")
 
     assert decode(encode(empty)) == empty
-    assert decode(encode(no_pools)) == no_pools
+
+
+def test_pull_ranges_come_back_key_by_key_and_pool_by_pool():
+    pull = EXAMPLES[2]
+    assert list(pull.ranges()) == [4096, 512, 16384, 256, 8192, 512, 12288, 256]
 
 
 # --- rejections ----------------------------------------------------------------------------
@@ -186,9 +192,8 @@ REJECTED = [
     pytest.param(wire("probe", cancel=1), field_error("probe", "cancel"), id="int-for-bool"),
     pytest.param(wire("pull", keys=["k0", "k1"]), field_error("pull", "keys"), id="str-keys"),
     pytest.param(wire("pull", keys=b"k0k1"), field_error("pull", "keys"), id="bytes-for-list-of-keys"),
-    pytest.param(wire("pull", dst=[[(True, 512)], []]), field_error("pull", "dst"), id="bool-in-dst"),
-    pytest.param(wire("pull", dst=[5, []]), field_error("pull", "dst"), id="int-for-dst-entry"),
-    pytest.param(wire("pull", dst=[[(1, 2, 3)], []]), field_error("pull", "dst"), id="dst-triple"),
+    pytest.param(wire("pull", dst=[[(4096, 512)], []]), field_error("pull", "dst"), id="list-for-packed-dst"),
+    pytest.param(wire("pull", pools=True), field_error("pull", "pools"), id="bool-for-pools"),
     pytest.param(wire("written", indices=[True]), field_error("written", "indices"), id="bool-index"),
     # Ranges and sizes.
     pytest.param(wire("hello", incarnation=-1), field_error("hello", "incarnation"), id="negative-incarnation"),
@@ -200,16 +205,17 @@ REJECTED = [
     pytest.param(wire("hello_ack", agent=""), field_error("hello_ack", "agent"), id="empty-agent"),
     pytest.param(wire("hello", metadata=b"m" * ((1 << 20) + 1)), field_error("hello", "metadata"), id="metadata-too-long"),
     pytest.param(wire("over", reason="r" * 513), field_error("over", "reason"), id="reason-too-long"),
-    pytest.param(wire("pull", keys=TOO_MANY_KEYS, dst=[[]] * len(TOO_MANY_KEYS)), field_error("pull", "keys"), id="too-many-keys"),
+    pytest.param(wire("pull", keys=TOO_MANY_KEYS, dst=b""), field_error("pull", "keys"), id="too-many-keys"),
     pytest.param(wire("pull", keys=[b"k0", b"k0"]), field_error("pull", "keys.*unique"), id="duplicate-keys"),
     pytest.param(wire("pull", keys=[b"k0", b""]), field_error("pull", "keys"), id="empty-key"),
     pytest.param(wire("pull", keys=[b"k0", b"k" * (MAX_KEY_BYTES + 1)]), field_error("pull", "keys"), id="key-too-long"),
-    pytest.param(wire("pull", dst=[[(4096, 512)]]), field_error("pull", "dst"), id="dst-shorter-than-keys"),
-    pytest.param(wire("pull", dst=[[], [], []]), field_error("pull", "dst"), id="dst-longer-than-keys"),
-    pytest.param(wire("pull", dst=[[(0, 512)], []]), field_error("pull", "dst"), id="zero-addr"),
-    pytest.param(wire("pull", dst=[[(4096, 0)], []]), field_error("pull", "dst"), id="zero-nbytes"),
-    pytest.param(wire("pull", dst=[[(-4096, 512)], []]), field_error("pull", "dst"), id="negative-addr"),
-    pytest.param(wire("pull", dst=[[], [(4096, -1)]]), field_error("pull", "dst"), id="negative-nbytes"),
+    pytest.param(wire("pull", dst=Pull.pack([(4096, 512)] * 3)), field_error("pull", "dst"), id="dst-shorter-than-keys"),
+    pytest.param(wire("pull", dst=Pull.pack([(4096, 512)] * 5)), field_error("pull", "dst"), id="dst-longer-than-keys"),
+    pytest.param(wire("pull", dst=Pull.pack([(4096, 512)] * 4)[:-1]), field_error("pull", "dst"), id="dst-not-whole-u64s"),
+    pytest.param(wire("pull", dst=Pull.pack([(0, 512)] + [(4096, 512)] * 3)), field_error("pull", "dst"), id="zero-addr"),
+    pytest.param(wire("pull", dst=Pull.pack([(4096, 0)] + [(4096, 512)] * 3)), field_error("pull", "dst"), id="zero-nbytes"),
+    pytest.param(wire("pull", pools=0), field_error("pull", "pools"), id="no-pools"),
+    pytest.param(wire("pull", pools=MAX_POOLS + 1), field_error("pull", "pools"), id="too-many-pools"),
     pytest.param(wire("written", indices=[0, MAX_KEYS]), field_error("written", "indices"), id="index-too-big"),
     pytest.param(wire("written", indices=[-1]), field_error("written", "indices"), id="negative-index"),
     pytest.param(wire("probe_ack", state="done"), field_error("probe_ack", "state"), id="unknown-probe-state"),
@@ -273,10 +279,8 @@ def test_integers_of_2_to_the_64_cannot_be_carried_by_msgpack_at_all():
     [
         pytest.param(lambda: Hello(EP, U64, "a", b""), "incarnation", id="hello-incarnation"),
         pytest.param(lambda: HelloAck(EP, 1, U64, "a"), "acked", id="hello-ack-acked"),
-        pytest.param(lambda: Pull(EP, 1, U64, 1, [], []), "target", id="pull-target"),
+        pytest.param(lambda: Pull(EP, 1, U64, 1, [], 1, b""), "target", id="pull-target"),
         pytest.param(lambda: Written(1, U64, []), "req", id="written-req"),
-        pytest.param(lambda: Pull(EP, 1, 1, 1, [b"k"], [[(U64, 1)]]), "dst", id="dst-addr"),
-        pytest.param(lambda: Pull(EP, 1, 1, 1, [b"k"], [[(1, U64)]]), "dst", id="dst-nbytes"),
     ],
 )
 def test_messages_cannot_be_built_with_integers_of_2_to_the_64(build, field):
@@ -294,8 +298,15 @@ positive_u64s = st.integers(1, U64 - 1)
 @st.composite
 def pulls(draw):
     keys = draw(st.lists(st.binary(min_size=1, max_size=MAX_KEY_BYTES), unique=True, max_size=8))
-    dst = [draw(st.lists(st.tuples(positive_u64s, positive_u64s), max_size=3)) for _ in keys]
-    return Pull(draw(endpoints), draw(u64s), draw(u64s), draw(u64s), keys, dst)
+    pools = draw(st.integers(1, 3))
+    ranges = draw(
+        st.lists(
+            st.tuples(positive_u64s, positive_u64s),
+            min_size=pools * len(keys),
+            max_size=pools * len(keys),
+        )
+    )
+    return Pull(draw(endpoints), draw(u64s), draw(u64s), draw(u64s), keys, pools, Pull.pack(ranges))
 
 
 messages = st.one_of(
@@ -431,7 +442,8 @@ def test_decoding_a_pull_of_256_keys_is_cheap(record_property):
         target=U64 - 2,
         req=12345,
         keys=keys,
-        dst=[[(0x7F00_0000_0000 + i * 4096, 4096), (0x7E00_0000_0000 + i * 4096, 4096)] for i in range(256)],
+        pools=2,
+        dst=Pull.pack([r for i in range(256) for r in ((0x7F00_0000_0000 + i * 4096, 4096), (0x7E00_0000_0000 + i * 4096, 4096))]),
     )  # fmt: skip
     data = encode(pull)
     assert decode(data) == pull

@@ -52,6 +52,18 @@ class MemoryMap:
         self.descriptor_count = base
         self.bytes_per_key = sum(self.block_sizes)
         self._bases = [*self.pool_base, *(b for _, b in self.regions.values())]
+        # Address and size of every descriptor, for building peer ranges without lookups.
+        self.desc_addrs: list[int] = []
+        self.desc_sizes: list[int] = []
+        for segment in self.segments:
+            pitch = segment.pitch
+            self.desc_addrs.extend(range(segment.addr, segment.addr + segment.count * pitch, pitch))
+            self.desc_sizes.extend([segment.element_size] * segment.count)
+
+    def ranges(self, descs: Sequence[int]) -> list[tuple[int, int]]:
+        """(address, bytes) of each descriptor: what a peer writes into."""
+        addrs, sizes = self.desc_addrs, self.desc_sizes
+        return [(addrs[d], sizes[d]) for d in descs]
 
     def desc_range(self, index: int) -> tuple[int, int]:
         """(address, bytes) of descriptor ``index``: what a peer writes into."""

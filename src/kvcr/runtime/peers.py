@@ -38,6 +38,7 @@ from kvcr.runtime.memory import MemoryMap
 from kvcr.runtime.ops import Operation, Outbox
 from kvcr.runtime.pins import Pins
 from kvcr.runtime.source import Source
+from kvcr.runtime.timer import sleeper
 from kvcr.runtime.transfers import Transfers
 from kvcr.transport import messages as m
 from kvcr.transport.base import TransportError
@@ -47,6 +48,8 @@ from kvcr.types import (
 
 RECEIVE_POLL_S = 0.002  # only for control channels without a file descriptor
 BUSY_PROGRESS_S = 0.001
+FAST_PROGRESS_S = 0.0002
+FAST_WINDOW_S = 0.01
 IDLE_PROGRESS_S = 0.1
 
 
@@ -95,6 +98,7 @@ class Peers:
         log: Any,
     ) -> None:
         self.channel = channel
+        self.fine = bool(getattr(transport, "fine_timing", False))
         self.endpoint: str | None = getattr(channel, "endpoint", None)
         self.transport = transport
         self.transfers = transfers
@@ -185,19 +189,31 @@ class Peers:
 
     async def _progress_loop(self) -> None:
         """NIXL runs without its progress thread: call into it often while transfers or
-        pulls are pending, and now and then while peers are connected (connection setup
-        needs both sides to make progress)."""
-        while True:
-            busy = any(link.pulls for link in self.links.values()) or self.source.writing
-            if not busy and not self.links and not self.source.agents_by_incarnation:
-                self._busy = trio.Event()
-                await self._busy.wait()
-                continue
-            with trio.move_on_after(BUSY_PROGRESS_S if busy else IDLE_PROGRESS_S):
-                self._busy = trio.Event()
-                await self._busy.wait()
-                await trio.sleep(0)
-            self._poll_notifications()
+        pulls are pending (every 0.2 ms for the first 10 ms, then every millisecond), and
+        every 100 ms while peers are merely connected (connection setup needs both sides to
+        make progress), and not at all with no peers."""
+        sleep, close = sleeper(self.fine)
+        try:
+            busy_since: float | None = None
+            while True:
+                busy = any(link.pulls for link in self.links.values()) or self.source.writing
+                if not busy:
+                    busy_since = None
+                    connected = self.links or self.source.agents_by_incarnation
+                    self._busy = trio.Event()
+                    if connected:
+                        with trio.move_on_after(IDLE_PROGRESS_S):
+                            await self._busy.wait()
+                    else:
+                        await self._busy.wait()
+                else:
+                    now = trio.current_time()
+                    busy_since = now if busy_since is None else busy_since
+                    young = now - busy_since < FAST_WINDOW_S
+                    await sleep(FAST_PROGRESS_S if young else BUSY_PROGRESS_S)
+                self._poll_notifications()
+        finally:
+            close()
 
     def wake(self) -> None:
         self._busy.set()
@@ -304,7 +320,7 @@ class Peers:
     # -- destination: pulls ------------------------------------------------------------------
 
     async def pull(
-        self, op: Operation, endpoint: str, keys: list[BlockKey], dst: list[list[tuple[int, int]]]
+        self, op: Operation, endpoint: str, keys: list[BlockKey], dst: list[tuple[int, int]]
     ) -> RemotePull:
         """Send one pull once the link is ready; the caller waits on ``answered``. The pull
         is registered in ``op.xfers`` until the source can no longer write."""
@@ -320,7 +336,15 @@ class Peers:
         pull.on_over.append(lambda: self.outbox.xfer_terminal(op, pull))
         self.send(
             endpoint,
-            m.Pull(self.endpoint, self.incarnation, link.incarnation, pull.req, keys, dst),
+            m.Pull(
+                self.endpoint,
+                self.incarnation,
+                link.incarnation,
+                pull.req,
+                keys,
+                len(self.memory.block_sizes),
+                m.Pull.pack(dst),
+            ),
         )
         self.wake()
         return pull

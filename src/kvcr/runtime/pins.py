@@ -18,9 +18,10 @@ from typing import Any
 import attrs
 import trio
 
+from kvcr.runtime.timer import sleeper
 from kvcr.types import BlockKey, MemoryRef, PinHandle, PinRequestId, PinResult
 
-POLL_S = 0.001
+POLL_S = 0.0002  # with the fine timer; trio's own sleep rounds it up to ~1 ms
 # A pin granted after its request was given up is still collected and released, for this
 # long after the request (engines without cancel_pin_request grant it anyway).
 ABANDONED_POLL_S = 30.0
@@ -51,7 +52,9 @@ class Pins:
         release_pin: Callable[[PinHandle], bool],
         cancel_pin_request: Callable[[PinRequestId], None] | None,
         log: Any,
+        fine: bool = False,
     ) -> None:
+        self._fine = fine
         self._request = request_pin
         self._poll = poll_pin_results
         self._release = release_pin
@@ -77,7 +80,9 @@ class Pins:
             return None
         waiter = _Waiter(tuple(keys))
         self._waiting[request] = waiter
-        self._work.set()
+        self._absorb()  # an engine that answers at once costs no poll period
+        if not waiter.done.is_set():
+            self._work.set()
         try:
             await waiter.done.wait()
         except BaseException:
@@ -144,6 +149,13 @@ class Pins:
         return bool(self._waiting or self._abandoned)
 
     async def run(self) -> None:
+        sleep, close = sleeper(self._fine)
+        try:
+            await self._run(sleep)
+        finally:
+            close()
+
+    async def _run(self, sleep: Any) -> None:
         retry = RELEASE_RETRY_FIRST_S
         while True:
             if not self._polling() and not self._to_release:
@@ -151,7 +163,7 @@ class Pins:
                 await self._work.wait()
                 retry = RELEASE_RETRY_FIRST_S
             if self._polling():
-                await trio.sleep(POLL_S)
+                await sleep(POLL_S)
                 self._absorb()
             if self._to_release:
                 if not self._polling():

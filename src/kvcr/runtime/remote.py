@@ -56,7 +56,7 @@ class Remote:
         op: Operation,
         endpoint: str,
         keys: list[BlockKey],
-        dst: list[list[tuple[int, int]]],
+        dst: list[tuple[int, int]],
         sent: list[RemotePull],
         on_over: Any = None,
     ) -> RemotePull | None:
@@ -88,7 +88,7 @@ class Remote:
         endpoint: str,
     ) -> None:
         keys = [k for k in keys if op.live(k)]
-        dst = [[self.memory.desc_range(d) for d in destinations[k]] for k in keys]
+        dst = self.memory.ranges([d for k in keys for d in destinations[k]])
         pull = await self._pull(op, endpoint, keys, dst, [])
         written = {keys[i] for i in pull.written} if pull is not None else set()
         answers = {k: SUCCESS if k in written else FAILED for k in keys if op.live(k)}
@@ -124,10 +124,10 @@ class Remote:
             return
         for block in blocks:
             op.filling[block.key] = block
-        dst = [
-            [self.memory.desc_range(self.memory.slot_desc(p, s)) for p, s in enumerate(b.slots)]
-            for b in blocks
-        ]
+        bases = self.memory.pool_base
+        dst = self.memory.ranges(
+            [base + slot for b in blocks for base, slot in zip(bases, b.slots)]
+        )
         keys = [b.key for b in blocks]
         released: set[int] = set()
 

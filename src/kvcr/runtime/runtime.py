@@ -129,7 +129,8 @@ class Runtime:
         try:
             transport = self.transport = self._transport_factory()
             transport.open_local(self.memory.segments)
-            self.transfers = Transfers(transport, self.log)
+            fine = bool(getattr(transport, "fine_timing", False))
+            self.transfers = Transfers(transport, self.log, fine)
             if self.has_pools:
                 self.local = LocalG2(
                     memory=self.memory,
@@ -148,7 +149,12 @@ class Runtime:
                 root.start_soon(self.transfers.run)
                 b = self.bindings
                 pins = Pins(
-                    b.request_pin, b.poll_pin_results, b.release_pin, b.cancel_pin_request, self.log
+                    b.request_pin,
+                    b.poll_pin_results,
+                    b.release_pin,
+                    b.cancel_pin_request,
+                    self.log,
+                    fine,
                 )
                 root.start_soon(pins.run)
                 if b.framework_control is not None:

@@ -115,6 +115,11 @@ class Source:
             reason = "the pull was meant for another incarnation of this source"
         elif agent is None:
             reason = "no metadata from this destination incarnation: say hello first"
+        elif msg.pools != len(self.memory.block_sizes):
+            reason = (
+                f"the destination has {msg.pools} pools per key, this source has "
+                f"{len(self.memory.block_sizes)}"
+            )
         elif self.stalled:
             reason = "this source's transfers are stalled; it refuses new writes"
         elif self.local is None and not self.memory.regions:
@@ -172,14 +177,15 @@ class Source:
                         descs = self._resolve_pinned(refs) if refs is not None else None
                         if descs is not None:
                             wanted[i] = descs
+            flat, pools, sizes = msg.ranges(), msg.pools, self.memory.block_sizes
             for i in sorted(wanted):
-                pairs = self._pairs(wanted[i], msg.dst[i])
-                if pairs is None:
+                entry = flat[2 * pools * i : 2 * pools * (i + 1)]
+                if list(entry[1::2]) != sizes:
                     self.net.drop("bad_destination", f"req {msg.req}: sizes do not match key {i}")
                     continue
                 indices.append(i)
                 src.extend(wanted[i])
-                dst.extend(pairs)
+                dst.extend(zip(entry[0::2], entry[1::2]))
         if job.scope.cancelled_caught or not indices:
             reason = "cancelled" if job.scope.cancelled_caught else "none of the keys is here"
             self._end_job(job, reason)
@@ -191,12 +197,13 @@ class Source:
         if self.local is None:
             return wanted
         now = trio.current_time()
+        bases = self.memory.pool_base
         for i, key in enumerate(job.msg.keys):
             block = self.index.get(key)
             if block is not None and block.state is BlockState.READY:
                 self.local.claim(block, now)
                 job.claims.append(block)
-                wanted[i] = [self.memory.slot_desc(p, s) for p, s in enumerate(block.slots)]
+                wanted[i] = [base + slot for base, slot in zip(bases, block.slots)]
         return wanted
 
     def _resolve_pinned(self, refs: object) -> list[int] | None:
@@ -205,14 +212,6 @@ class Source:
         except ValueError as exc:
             self.net.drop("bad_pin_refs", str(exc))
             return None
-
-    def _pairs(self, src: list[int], dst: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
-        if len(src) != len(dst):
-            return None
-        for index, (_addr, nbytes) in zip(src, dst):
-            if self.memory.desc_range(index)[1] != nbytes:
-                return None
-        return [(addr, nbytes) for addr, nbytes in dst]
 
     def _write(
         self,

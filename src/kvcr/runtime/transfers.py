@@ -6,9 +6,10 @@ reports the transfer terminal. So completion work (freeing slots, dropping claim
 off the transfer as ``on_terminal`` callbacks, which the poller runs on the runtime thread
 exactly once, whatever happened to the operation.
 
-Polling: NIXL runs without its spinning progress thread, so the poller calls into it about
-once a millisecond (trio's timer granularity) while transfers are in flight, and not at all
-when nothing is in flight (idle costs no CPU). A peer write becomes DONE, and its
+Polling: NIXL runs without its spinning progress thread, so the poller calls into it every
+0.2 ms for the first 10 ms of a busy period (a timerfd: trio's own timers wake in whole
+milliseconds), then every millisecond, and not at all when nothing is in flight (idle
+costs no CPU). A peer write becomes DONE, and its
 notification leaves, only when the source polls it after the destination called into
 NIXL, so a slower poll here is latency added to every peer transfer.
 """
@@ -20,10 +21,12 @@ from collections.abc import Callable, Sequence
 import attrs
 import trio
 
+from kvcr.runtime.timer import sleeper
 from kvcr.transport.base import Transport, XferState
 
-FIRST_POLL_S = 0.0005
-MAX_POLL_S = 0.001
+FAST_POLL_S = 0.0002  # while a busy period is young (with the fine timer)
+FAST_WINDOW_S = 0.01
+SLOW_POLL_S = 0.001
 
 
 @attrs.define(eq=False)
@@ -41,8 +44,9 @@ class Xfer:
 
 
 class Transfers:
-    def __init__(self, transport: Transport, log: object) -> None:
+    def __init__(self, transport: Transport, log: object, fine: bool = False) -> None:
         self.transport = transport
+        self._fine = fine
         self._log = log
         self._in_flight: set[Xfer] = set()
         self._work = trio.Event()
@@ -117,13 +121,17 @@ class Transfers:
         await self._idle.wait()
 
     async def run(self) -> None:
-        while True:
-            if not self._in_flight:
-                self._work = trio.Event()
-                await self._work.wait()
-            interval = FIRST_POLL_S
-            while self._in_flight:
-                await trio.sleep(interval)
-                for xfer in list(self._in_flight):
-                    self._check(xfer)
-                interval = min(interval * 2, MAX_POLL_S)
+        sleep, close = sleeper(self._fine)
+        try:
+            while True:
+                if not self._in_flight:
+                    self._work = trio.Event()
+                    await self._work.wait()
+                busy_since = trio.current_time()
+                while self._in_flight:
+                    young = trio.current_time() - busy_since < FAST_WINDOW_S
+                    await sleep(FAST_POLL_S if young else SLOW_POLL_S)
+                    for xfer in list(self._in_flight):
+                        self._check(xfer)
+        finally:
+            close()

@@ -94,6 +94,9 @@ class NixlXfer:
 
 
 class NixlTransport:
+    #: Poll with sub-millisecond timers (see runtime/timer.py).
+    fine_timing = True
+
     def __init__(self, agent_name: str, backend: str = "UCX") -> None:
         self.agent_name = agent_name
         self._agent: Any = nixl_agent(

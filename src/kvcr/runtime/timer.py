@@ -1,0 +1,87 @@
+"""Sub-millisecond sleeps for polling NIXL.
+
+trio's timers wake in whole milliseconds (epoll's timeout), about 1.1 ms for any short
+sleep. A peer transfer needs three progress calls in turn across two processes (the
+destination calls into NIXL, the source sees DONE and sends the notification, the
+destination reads it), so millisecond polling alone added ~2 ms to every pull. A timerfd
+armed for the interval and awaited like any other fd wakes on time, and the thread still
+sleeps in epoll (no spinning, the GIL released).
+
+Only the real transport uses it: under trio's MockClock, sleeps must be trio sleeps.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Awaitable, Callable
+
+import trio
+
+_CLOCK_MONOTONIC = 1
+_TFD_NONBLOCK = os.O_NONBLOCK
+_TFD_CLOEXEC = os.O_CLOEXEC
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class _Itimerspec(ctypes.Structure):
+    _fields_ = [("it_interval", _Timespec), ("it_value", _Timespec)]
+
+
+# PyDLL: these calls are short and never block, and keeping the GIL across them avoids a
+# hand-over to a busy engine thread (~15 µs each).
+_libc = ctypes.PyDLL(None, use_errno=True)
+_create = _libc.timerfd_create
+_create.argtypes = [ctypes.c_int, ctypes.c_int]
+_create.restype = ctypes.c_int
+_settime = _libc.timerfd_settime
+_settime.argtypes = [
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.POINTER(_Itimerspec),
+    ctypes.POINTER(_Itimerspec),
+]
+_settime.restype = ctypes.c_int
+_read = _libc.read
+_read.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t]
+_read.restype = ctypes.c_ssize_t
+
+Sleep = Callable[[float], Awaitable[None]]
+
+
+class FineTimer:
+    """One task's sub-millisecond sleep (one timer per sleeping task)."""
+
+    def __init__(self) -> None:
+        fd = _create(_CLOCK_MONOTONIC, _TFD_NONBLOCK | _TFD_CLOEXEC)
+        if fd < 0:
+            raise OSError(ctypes.get_errno(), "timerfd_create failed")
+        self._fd = fd
+        self._spec = _Itimerspec()
+        self._buf = ctypes.c_uint64()
+
+    async def sleep(self, seconds: float) -> None:
+        nanos = max(int(seconds * 1e9), 1000)
+        self._spec.it_value.tv_sec, self._spec.it_value.tv_nsec = divmod(nanos, 1_000_000_000)
+        if _settime(self._fd, 0, ctypes.byref(self._spec), None) != 0:
+            raise OSError(ctypes.get_errno(), "timerfd_settime failed")
+        await trio.lowlevel.wait_readable(self._fd)
+        _read(self._fd, ctypes.byref(self._buf), 8)
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            trio.lowlevel.notify_closing(fd)
+            os.close(fd)
+
+
+def sleeper(fine: bool) -> tuple[Sleep, Callable[[], None]]:
+    """A sleep function for one task, and how to free it: a timerfd for the real
+    transport, trio's own sleep otherwise (MockClock tests)."""
+    if not fine:
+        return trio.sleep, lambda: None
+    timer = FineTimer()
+    return timer.sleep, timer.close
