@@ -147,6 +147,12 @@ class BlockIndex:
         if len(self._heap) > 2 * len(self.blocks) + 64:
             self._compact()
 
+    def dequeue(self, block: Block) -> None:
+        """Take a block out of the eviction queue while it is claimed: its entry goes stale
+        (skipped when popped) and whoever drops the last claim queues it again."""
+        block.version += 1
+        block.queued = False
+
     def evictable(self, block: Block) -> bool:
         return block.state is BlockState.READY and block.claims == 0
 

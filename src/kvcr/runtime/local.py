@@ -147,9 +147,12 @@ class LocalG2:
     # -- claims and release handles ----------------------------------------------------------
 
     def claim(self, block: Block, now: float) -> None:
+        """An access that holds the block until ``unclaim``: out of the eviction queue
+        meanwhile, queued again with a fresh score when the last claim goes."""
         block.claims += 1
         self.index.touch(block, now)
-        self.index.rescore(block, self.score(block))
+        if block.queued:
+            self.index.dequeue(block)
 
     def unclaim(self, block: Block) -> None:
         block.claims -= 1
@@ -159,6 +162,8 @@ class LocalG2:
     def hold(self, block: Block) -> ReleaseHandle:
         """A claim the engine drops with ``release``: the block stays resident until then."""
         block.claims += 1
+        if block.queued:
+            self.index.dequeue(block)
         handle = ReleaseHandle(next(self.release_ids))
         self.handles[handle] = block.key
         self.live_handles.add(handle)
@@ -437,7 +442,6 @@ class LocalG2:
                 answers[key] = FAILED
                 continue
             self.index.touch(block, now)
-            self.index.rescore(block, self.score(block))
             answers[key] = self.claimed_entry(block)
         if len(answers) != sum(1 for a in answers.values() if a.success):
             op.failure = op.failure or "fetch: some keys are not in local G2"

@@ -28,6 +28,7 @@ class MemoryMap:
         self.agent_name = agent_name
         self.pool_names = [name for name, _ in pool_layouts]
         self.block_sizes = [size for _, size in pool_layouts]
+        self._pool_count = len(self.block_sizes)
         by_name = {name: (addr, size) for name, addr, size in pools}
         self.segments: list[Segment] = []
         self.pool_base: list[int] = []
@@ -84,17 +85,19 @@ class MemoryMap:
     def resolve_key(self, what: str, position: int, key: object, refs: object) -> tuple[int, ...]:
         """Descriptor indices of a key's engine refs, one per pool, or ValueError naming the
         key's position, the ref, the region and the limit."""
+        if (type(refs) is list or type(refs) is tuple) and len(refs) == self._pool_count:
+            if self._pool_count == 1:
+                return (self._resolve_ref(what, position, 0, refs[0]),)
+            return tuple([self._resolve_ref(what, position, p, r) for p, r in enumerate(refs)])
         if not isinstance(refs, (list, tuple)):
             raise ValueError(
                 f"{what}: key #{position} ({key!r}): refs must be a list of MemoryRef, "
                 f"got {type(refs).__name__}"
             )
-        if len(refs) != len(self.block_sizes):
-            raise ValueError(
-                f"{what}: key #{position} ({key!r}) has {len(refs)} refs, the pool layout "
-                f"{self.pool_names} needs one per pool ({len(self.block_sizes)})"
-            )
-        return tuple(self._resolve_ref(what, position, pool, ref) for pool, ref in enumerate(refs))
+        raise ValueError(
+            f"{what}: key #{position} ({key!r}) has {len(refs)} refs, the pool layout "
+            f"{self.pool_names} needs one per pool ({len(self.block_sizes)})"
+        )
 
     def _resolve_ref(self, what: str, position: int, pool: int, ref: object) -> int:
         # The fast path checks everything without building a message; the slow path names
