@@ -114,20 +114,7 @@ class Peers:
         self.log = log
         self.incarnation = int.from_bytes(os.urandom(8), "big") or 1
         self.links: dict[str, Link] = {}
-        self.source = Source(
-            net=self,
-            transport=transport,
-            transfers=transfers,
-            memory=memory,
-            index=index,
-            local=local,
-            pins=pins,
-            outbox=outbox,
-            config=config,
-            telemetry=telemetry,
-            op_ids=op_ids,
-            log=log,
-        )
+        self.source = Source(self)
         self._reqs = itertools.count(1)
         self.nursery: trio.Nursery | None = None
         self._busy = trio.Event()

@@ -16,16 +16,14 @@ and ``quiesced`` follows when the write is terminal. A destination's ``Probe`` w
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
 import trio
 
-from kvcr.runtime.index import Block, BlockIndex, BlockState
-from kvcr.runtime.memory import MemoryMap
-from kvcr.runtime.ops import Outbox
-from kvcr.runtime.pins import Pin, Pins
-from kvcr.runtime.transfers import Transfers, Xfer
+from kvcr.runtime.index import Block, BlockState
+from kvcr.runtime.pins import Pin
+from kvcr.runtime.transfers import Xfer
 from kvcr.transport import messages as m
 from kvcr.transport.base import TransportError
 from kvcr.types import TransferError
@@ -47,34 +45,20 @@ class SourceJob:
 
 
 class Source:
-    def __init__(
-        self,
-        *,
-        net: Peers,
-        transport: Any,
-        transfers: Transfers,
-        memory: MemoryMap,
-        index: BlockIndex,
-        local: Any,
-        pins: Pins,
-        outbox: Outbox,
-        config: Any,
-        telemetry: Any,
-        op_ids: Any,
-        log: Any,
-    ) -> None:
+    def __init__(self, net: Peers) -> None:
+        """The source side shares the control plane's transport, memory and bookkeeping."""
         self.net = net
-        self.transport = transport
-        self.transfers = transfers
-        self.memory = memory
-        self.index = index
-        self.local = local
-        self.pins = pins
-        self.outbox = outbox
-        self.config = config
-        self.telemetry = telemetry
-        self.op_ids = op_ids
-        self.log = log
+        self.transport = net.transport
+        self.transfers = net.transfers
+        self.memory = net.memory
+        self.index = net.index
+        self.local = net.local
+        self.pins = net.pins
+        self.outbox = net.outbox
+        self.config = net.config
+        self.telemetry = net.telemetry
+        self.op_ids = net.op_ids
+        self.log = net.log
         self.agents_by_incarnation: dict[int, str] = {}  # destinations we have metadata of
         self.jobs: dict[tuple[int, int], SourceJob] = {}  # (dst incarnation, req) -> job
         self.stalled = False
