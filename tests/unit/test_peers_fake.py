@@ -405,3 +405,36 @@ async def test_a_duplicate_completion_is_dropped_and_changes_nothing(autojump_cl
         drops = [e["kind"] for e in events if e["event"] == "peer_message_dropped"]
         assert drops == ["unknown_written"]
         assert b.kv.poll_completed() == []
+
+
+async def test_closing_a_source_drops_pulls_waiting_for_pins(autojump_clock):
+    world = World()
+    b = Worker(world, "b")
+    a = Worker(world, "a")
+    async with b.running():
+        async with a.running():
+            a.pins.engine_has = {key(3): 3}
+            a.pins.hold_back = True  # the engine has not answered when the source closes
+            b.kv.submit_hint(b.hint(a, [3]), request_id="r")
+            handle = b.kv.deliver({key(3): b.refs(10)}, request_id="r")
+            await trio.sleep(0.01)
+            assert len(a.pins.requests) == 1
+        # The pull was dropped at close, the pin request cancelled, the destination told.
+        entries = await b.engine.await_op(b.kv, handle, 1)
+        assert statuses(entries) == {key(3): "FAILED"}
+        assert any(over.reason == "cancelled" for over in world.sent("over"))
+        assert a.pins.cancelled == [1]
+
+
+async def test_closing_a_source_hands_back_pins_the_engine_refused_to_take(autojump_clock):
+    world = World()
+    b = Worker(world, "b")
+    a = Worker(world, "a")
+    async with b.running():
+        async with a.running():
+            a.pins.engine_has = {key(3): 3}
+            a.pins.release_refusals = 2  # "not now", twice
+            b.kv.submit_hint(b.hint(a, [3]), request_id="r")
+            assert statuses(await b.deliver([(3, 10)])) == {key(3): "SUCCESS"}
+            assert a.pins.pinned == {"pin-1"}  # refused once already, retried later
+        assert a.pins.released == ["pin-1"] and not a.pins.pinned

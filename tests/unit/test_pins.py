@@ -519,9 +519,7 @@ async def test_polling_stops_once_the_last_request_is_answered(autojump_clock, p
     assert engine.polls == polls_for_the_pin
 
 
-async def test_a_waiting_request_is_polled_every_poll_period(
-    autojump_clock, pins, engine, nursery
-):
+async def test_a_waiting_request_is_polled_every_poll_period(autojump_clock, pins, engine, nursery):
     await in_background(nursery, pins, [K1])
 
     await trio.sleep(0.1)

@@ -100,6 +100,21 @@ class Pins:
             self._to_release.append(pin.handle)
             self._work.set()
 
+    async def drain(self, timeout: float) -> bool:
+        """At close: keep handing pins back until the engine accepts them all, for at most
+        ``timeout`` seconds. True if none is left."""
+        with trio.move_on_after(timeout):
+            while self._to_release:
+                pending, self._to_release = self._to_release, []
+                for handle in pending:
+                    if not self._try_release(handle):
+                        self._to_release.append(handle)
+                if self._to_release:
+                    await trio.sleep(RELEASE_RETRY_FIRST_S)
+        if self._to_release:
+            self._log.error("pins_not_released", pins=len(self._to_release))
+        return not self._to_release
+
     def _cancel_request(self, request: PinRequestId) -> None:
         if self._cancel is None:
             return

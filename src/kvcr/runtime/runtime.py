@@ -165,7 +165,11 @@ class Runtime:
                     self.log.info("runtime_started", pools=self.memory.pool_names)
                     await self._pump()
                     ops.cancel_scope.cancel()
+                    if self.peers is not None:
+                        await self.peers.source.stop()
                 leaked = not await self._quiesce()
+                # Pins go back to the engine only now that no transfer reads them.
+                await pins.drain(self.config.operation_timeout_ms / 1000)
                 root.cancel_scope.cancel()
         finally:
             if leaked:

@@ -62,6 +62,17 @@ class Source:
         self.agents_by_incarnation: dict[int, str] = {}  # destinations we have metadata of
         self.jobs: dict[tuple[int, int], SourceJob] = {}  # (dst incarnation, req) -> job
         self.stalled = False
+        self.closing = False
+
+    async def stop(self) -> None:
+        """At close: refuse new pulls and drop those that have not started writing, and wait
+        until they have released their claims and pins (writes in flight end on their own)."""
+        self.closing = True
+        for job in list(self.jobs.values()):
+            if job.state == "pending":
+                job.scope.cancel()
+        while any(job.state == "pending" for job in self.jobs.values()):
+            await trio.sleep(0)
 
     @property
     def writing(self) -> bool:
@@ -104,6 +115,8 @@ class Source:
                 f"the destination has {msg.pools} pools per key, this source has "
                 f"{len(self.memory.block_sizes)}"
             )
+        elif self.closing:
+            reason = "this source is closing"
         elif self.stalled:
             reason = "this source's transfers are stalled; it refuses new writes"
         elif self.local is None and not self.memory.regions:
