@@ -38,40 +38,40 @@ for it: the floor of any design that copies on a thread of its own, as kvcr's ru
 
 from __future__ import annotations
 
-import os
-
-# Must be set before nixl is imported (nixl-on-cpu.md).
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
-os.environ.setdefault("UCX_MEM_EVENTS", "no")
-os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-
-import argparse
 import functools
-import json
 import queue
 import statistics
 import sys
 import threading
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import attrs
 import numpy as np
+from common import (
+    KIB,
+    MIB,
+    CpuSpan,
+    MachineLoad,
+    Row,
+    arguments,
+    bare_agent,
+    crcs,
+    idle_row,
+    log,
+    make_instance,
+    null_bindings,
+    percentile,
+    randomized,
+    raw_transfer,
+    report,
+    runtime_thread,
+    touched,
+)
 
-from kvcr import KVCR, KVCRBindings
-from kvcr.config import KVCRBackendConfigs, KVCRConfig, LocalDramOptions
-from kvcr.telemetry import InMemoryStats
-from kvcr.types import MemoryRef, OpEntryStatus, RegionDescriptor
+from kvcr import KVCR
+from kvcr.types import MemoryRef, OpEntryStatus
 
-try:
-    from nixl_cu13._api import nixl_agent, nixl_agent_config
-except ImportError:  # the meta package's shim
-    from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[no-redef]
-
-KIB = 1 << 10
-MIB = 1 << 20
 OP_TIMEOUT_S = 30.0
 DIAG_SWITCH_S = 0.0002  # sys.setswitchinterval for the diagnostic rows (default 0.005)
 KVCR_POLL = "kvcr (engine poll: yield between polls)"
@@ -85,147 +85,7 @@ ENGINE_POLL_NOTE = (
 )
 
 
-# -- results -----------------------------------------------------------------------------
-
-
-@attrs.define
-class Row:
-    bench: str
-    case: str
-    value: float
-    unit: str
-    baseline: float | None = None
-    target: str = ""
-    ok: bool | None = None  # None: no target
-
-    @property
-    def ratio(self) -> float | None:
-        if self.baseline is None or not self.baseline:
-            return None
-        return self.value / self.baseline
-
-    def as_json(self) -> str:
-        ratio = self.ratio
-        return json.dumps(
-            {
-                "bench": self.bench,
-                "case": self.case,
-                "value": round(self.value, 4),
-                "unit": self.unit,
-                "baseline": None if self.baseline is None else round(self.baseline, 4),
-                "ratio": None if ratio is None else round(ratio, 4),
-            }
-        )
-
-
-def _fmt(x: float | None) -> str:
-    if x is None:
-        return "-"
-    if x >= 100:
-        return f"{x:.0f}"
-    if x >= 10:
-        return f"{x:.1f}"
-    return f"{x:.2f}" if x >= 0.1 else f"{x:.3f}"
-
-
-def print_table(rows: Sequence[Row], header: str) -> None:
-    cols = ["bench", "case", "value", "unit", "baseline", "ratio", "target", "status"]
-    table = [
-        [
-            r.bench,
-            r.case,
-            _fmt(r.value),
-            r.unit,
-            _fmt(r.baseline),
-            _fmt(r.ratio),
-            r.target or "",
-            "" if r.ok is None else ("PASS" if r.ok else "MISS"),
-        ]
-        for r in rows
-    ]
-    widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
-    right = {2, 4, 5}
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(
-            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
-        ).rstrip()
-
-    print(header)
-    print(line(cols))
-    print(line(["-" * w for w in widths]))
-    previous = None
-    for r, t in zip(rows, table):
-        if previous is not None and r.bench != previous:
-            print()
-        previous = r.bench
-        print(line(t))
-    print(flush=True)
-
-
-_STARTED = time.monotonic()
-
-
-def log(msg: str, quiet: bool) -> None:
-    if not quiet:
-        print(f"# {time.monotonic() - _STARTED:5.1f} s  {msg}", file=sys.stderr, flush=True)
-
-
 # -- helpers -----------------------------------------------------------------------------
-
-
-def touched(nbytes: int, fill: int = 0) -> np.ndarray:
-    """A buffer whose pages are all faulted in (np.zeros would map them lazily)."""
-    buf = np.empty(nbytes, dtype=np.uint8)
-    buf.fill(fill)
-    return buf
-
-
-def randomized(nbytes: int, seed: int) -> np.ndarray:
-    buf = np.empty(nbytes, dtype=np.uint8)
-    np.random.default_rng(seed).random(out=buf.view(np.float64))
-    return buf
-
-
-def crcs(buf: np.ndarray, block: int, count: int) -> list[int]:
-    return [zlib.crc32(buf[i * block : (i + 1) * block]) for i in range(count)]
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
-def null_bindings(stats: bool = False) -> KVCRBindings:
-    return KVCRBindings(
-        request_pin=lambda keys: 0,
-        poll_pin_results=lambda: [],
-        release_pin=lambda handle: True,
-        stats_factory=InMemoryStats if stats else None,
-    )
-
-
-def make_instance(
-    name: str,
-    block: int,
-    engine: np.ndarray,
-    pool: np.ndarray,
-    telemetry: bool = False,
-) -> KVCR:
-    config = KVCRConfig(
-        name,
-        [("", block)],
-        enable_telemetry=telemetry,
-        operation_timeout_ms=20_000,
-        abandon_timeout_ms=40_000,
-    )
-    backends = KVCRBackendConfigs(
-        framework_regions=[
-            RegionDescriptor(addr=engine.ctypes.data, size=block, count=engine.nbytes // block)
-        ],
-        local_dram=LocalDramOptions([("", pool.ctypes.data, pool.nbytes)]),
-    )
-    return KVCR(config, null_bindings(telemetry), backends)
 
 
 class Engine:
@@ -334,8 +194,7 @@ class RawNixl:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
-        self.agent.create_backend("UCX", {})
+        self.agent = bare_agent(name)
         self._regs: list[Any] = []
         self._dlists: list[Any] = []
 
@@ -356,19 +215,9 @@ class RawNixl:
         """Copy ``count`` blocks (dst <- src); seconds from make to release. NIXL merges
         descriptors adjacent on both sides into one copy; ``reverse`` (block i to block
         count - 1 - i) prevents that, as kvcr's pool slots after evictions often do."""
-        agent = self.agent
         idx = list(range(count))
         dst_idx = idx[::-1] if reverse else idx
-        t0 = time.perf_counter()
-        handle = agent.make_prepped_xfer("READ", dst_local, dst_idx, src_loopback, idx)
-        state = agent.transfer(handle)
-        while state == "PROC":
-            state = agent.check_xfer_state(handle)
-        agent.release_xfer_handle(handle)
-        elapsed = time.perf_counter() - t0
-        if state != "DONE":
-            raise RuntimeError(f"raw NIXL READ ended in state {state}")
-        return elapsed
+        return raw_transfer(self.agent, "READ", dst_local, dst_idx, src_loopback, idx)
 
     def reset(self) -> None:
         for dlist in self._dlists:
@@ -402,7 +251,7 @@ def bench_throughput(
     src_crcs = crcs(src_view, block, count)
 
     agent = f"bench-{label}"
-    kv = make_instance(agent, block, engine, pool)
+    kv = make_instance(agent, block, engine, pool, null_bindings())
     eng = Engine(kv, agent)
     worker = Worker()
     try:
@@ -606,7 +455,7 @@ def bench_roundtrip(
     pool = touched(block * 256)
     scratch = touched(block * held, 0x77)  # raw NIXL: engine sources -> scratch
     agent = "bench-trip"
-    kv = make_instance(agent, block, engine, pool)
+    kv = make_instance(agent, block, engine, pool, null_bindings())
     eng = Engine(kv, agent)
     worker = Worker()
     settle = 100e-6  # let the runtime go idle between samples (outside the timed region)
@@ -724,7 +573,7 @@ def bench_query(rows: list[Row], samples: int, quiet: bool) -> None:
     engine = randomized(block * region, seed=7)
     pool = touched(block * (resident_keys + 240))
     agent = "bench-query"
-    kv = make_instance(agent, block, engine, pool)
+    kv = make_instance(agent, block, engine, pool, null_bindings())
     eng = Engine(kv, agent)
     try:
         keys = [b"Q%09d" % i for i in range(resident_keys)]
@@ -774,7 +623,7 @@ def bench_calls(rows: list[Row], notes: list[str], samples: int, quiet: bool) ->
     engine = randomized(block * region, seed=11)
     pool = touched(block * 2048)
     agent = "bench-calls"
-    kv = make_instance(agent, block, engine, pool, telemetry=True)
+    kv = make_instance(agent, block, engine, pool, null_bindings(stats=True), telemetry=True)
     eng = Engine(kv, agent)
     settle = 100e-6  # let the runtime go idle between samples (outside the timed region)
     results: dict[str, list[float]] = {}
@@ -893,97 +742,30 @@ def bench_calls(rows: list[Row], notes: list[str], samples: int, quiet: bool) ->
 # -- 5. idle CPU -------------------------------------------------------------------------
 
 
-def thread_cpu_s(thread: threading.Thread) -> float:
-    """CPU seconds of one thread, via its CPU clock (or /proc as a fallback)."""
-    assert thread.ident is not None
-    try:
-        return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
-    except (OSError, AttributeError):
-        with open(f"/proc/self/task/{thread.native_id}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def bench_idle(rows: list[Row], seconds: float, quiet: bool) -> None:
     log(f"idle CPU: 1 s settle, {seconds:.0f} s measured", quiet)
     block = 4 * KIB
     engine = randomized(block * 64, seed=3)
     pool = touched(block * 64)
     agent = "bench-idle"
-    kv = make_instance(agent, block, engine, pool)
+    kv = make_instance(agent, block, engine, pool, null_bindings())
     try:
-        thread = next(t for t in threading.enumerate() if t.name == f"kvcr-{agent}")
+        thread = runtime_thread(agent)
         time.sleep(1.0)
-        wall0, proc0, thr0 = time.monotonic(), time.process_time(), thread_cpu_s(thread)
+        span = CpuSpan(thread)
         time.sleep(seconds)  # the main thread sleeps: process CPU is kvcr's (and NIXL's)
-        wall = time.monotonic() - wall0
-        proc = time.process_time() - proc0
-        thr = thread_cpu_s(thread) - thr0
+        cpu = span.end()
     finally:
         kv.close()
-    thr_pct, proc_pct = 100 * thr / wall, 100 * proc / wall
-    rows.append(
-        Row(
-            "idle",
-            f"runtime thread kvcr-{agent}",
-            thr_pct,
-            "% core",
-            target="<=2 %",
-            ok=thr_pct <= 2.0,
-        )
-    )
-    rows.append(
-        Row(
-            "idle",
-            "whole process (main thread asleep)",
-            proc_pct,
-            "% core",
-            target="<=2 %",
-            ok=proc_pct <= 2.0,
-        )
-    )
-
-
-# -- machine load ----------------------------------------------------------------------
-
-
-def cpu_busy_s() -> tuple[float, float]:
-    """(busy, steal) CPU seconds of the whole machine so far, from /proc/stat."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return 0.0, 0.0
-    tick = os.sysconf("SC_CLK_TCK")
-    # user nice system idle iowait irq softirq steal ...
-    busy = sum(fields[:3]) + sum(fields[5:7])
-    steal = fields[7] if len(fields) > 7 else 0
-    return busy / tick, steal / tick
-
-
-def load_note(wall: float, busy0: tuple[float, float], own0: float) -> str:
-    """How much CPU the rest of the machine took during the run: kvcr needs both cores
-    (engine thread and runtime thread), memcpy and raw NIXL need one, so background load
-    lowers kvcr's ratios."""
-    busy1 = cpu_busy_s()
-    own = time.process_time() - own0
-    others = max(0.0, busy1[0] - busy0[0] - own)
-    steal = busy1[1] - busy0[1]
-    return (
-        f"machine load during the run: other processes {100 * others / wall:.0f} % of a core, "
-        f"steal {100 * steal / wall:.0f} % (this process {100 * own / wall:.0f} %); kvcr "
-        "rows need both cores, so compare runs with low background load"
-    )
+    rows.append(idle_row(f"runtime thread kvcr-{agent}", 100 * cpu["thread"] / cpu["wall"]))
+    rows.append(idle_row("whole process (main thread asleep)", 100 * cpu["proc"] / cpu["wall"]))
 
 
 # -- main --------------------------------------------------------------------------------
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions (~1 min)")
-    parser.add_argument("--json-only", action="store_true", help="print only the JSON lines")
-    args = parser.parse_args(argv)
+    args = arguments(__doc__.split("\n\n")[0], "fewer repetitions (~1 min)", argv)
     quiet = args.json_only
     if args.quick:  # ~45 s on 2 cores
         reps_big, reps_small, trips, spin_every = 80, 250, 2000, 10
@@ -992,7 +774,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         reps_big, reps_small, trips, spin_every = 300, 800, 6000, 10
         q_samples, c_samples = 1000, 5000
     started = time.monotonic()
-    busy0, own0 = cpu_busy_s(), time.process_time()
+    load = MachineLoad()
     rows: list[Row] = []
     notes: list[str] = [ENGINE_POLL_NOTE, TIGHT_SPIN_NOTE]
     per_key: dict[str, float] = {}
@@ -1014,21 +796,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         + ", ".join(f"{k.split('/')[0]} {v:.2f}" for k, v in per_key.items() if "/" in k)
     )
     elapsed = time.monotonic() - started
-    notes.append(load_note(elapsed, busy0, own0))
-    if not args.json_only:
-        mode = "quick" if args.quick else "full"
-        print_table(
-            rows,
-            f"kvcr local benchmark ({mode}, {elapsed:.0f} s, {os.cpu_count()} CPUs, "
-            f"Python {sys.version.split()[0]})",
-        )
-        missed = [r for r in rows if r.ok is False]
-        print(f"targets: {sum(r.ok is True for r in rows)} PASS, {len(missed)} MISS")
-        for note in notes:
-            print(f"note: {note}")
-        print()
-    for row in rows:
-        print(row.as_json())
+    notes.append(load.note(elapsed, "this process", "kvcr rows need both cores"))
+    # local.py's table has always picked decimals by signed value (see common._fmt).
+    report(rows, notes, "kvcr local benchmark", args, elapsed, by_magnitude=False)
     return 0
 
 

@@ -37,53 +37,47 @@ Prints a human table, then one JSON line per measurement:
 
 from __future__ import annotations
 
-import os
-
-# Must be set before nixl is imported (nixl-on-cpu.md); inherited by the child.
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
-os.environ.setdefault("UCX_MEM_EVENTS", "no")
-os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-
-import argparse
 import contextlib
 import gc
 import itertools
-import json
+import os
 import signal
 import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-import attrs
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from p2p_worker import (
-    ENGINE_KEY_BASE,
-    POOL_KEY_BASE,
-    IntKeys,
-    block_key,
+from common import (
+    KIB,
+    MIB,
+    CpuSpan,
+    MachineLoad,
+    Row,
+    arguments,
+    bare_agent,
     crcs,
-    nixl_agent,
-    nixl_agent_config,
-    thread_cpu_s,
+    idle_row,
+    log,
+    make_instance,
+    null_bindings,
+    percentile,
+    report,
+    runtime_thread,
     touched,
 )
+from p2p_worker import ENGINE_KEY_BASE, POOL_KEY_BASE, IntKeys, block_key
 
-from kvcr import KVCR, KVCRBindings
-from kvcr.config import KVCRBackendConfigs, KVCRConfig, LocalDramOptions, RemoteFWDramOptions
+from kvcr.config import RemoteFWDramOptions
 from kvcr.control_channels import ZmqPeerControlChannel
-from kvcr.types import MemoryRef, OpEntryStatus, RegionDescriptor
+from kvcr.types import MemoryRef, OpEntryStatus
 
-KIB = 1 << 10
-MIB = 1 << 20
 OP_TIMEOUT_S = 30.0
 WORKER = Path(__file__).resolve().parent / "p2p_worker.py"
 VARIANTS = ("pool", "engine")
@@ -106,119 +100,10 @@ ENGINE_POLL_NOTE = (
 )
 
 
-# -- results (same format as local.py) ---------------------------------------------------
-
-
-@attrs.define
-class Row:
-    bench: str
-    case: str
-    value: float
-    unit: str
-    baseline: float | None = None
-    target: str = ""
-    ok: bool | None = None  # None: no target
-
-    @property
-    def ratio(self) -> float | None:
-        if self.baseline is None or not self.baseline:
-            return None
-        return self.value / self.baseline
-
-    def as_json(self) -> str:
-        ratio = self.ratio
-        return json.dumps(
-            {
-                "bench": self.bench,
-                "case": self.case,
-                "value": round(self.value, 4),
-                "unit": self.unit,
-                "baseline": None if self.baseline is None else round(self.baseline, 4),
-                "ratio": None if ratio is None else round(ratio, 4),
-            }
-        )
-
-
-def _fmt(x: float | None) -> str:
-    if x is None:
-        return "-"
-    if abs(x) >= 100:
-        return f"{x:.0f}"
-    if abs(x) >= 10:
-        return f"{x:.1f}"
-    return f"{x:.2f}" if abs(x) >= 0.1 else f"{x:.3f}"
-
-
-def print_table(rows: Sequence[Row], header: str) -> None:
-    cols = ["bench", "case", "value", "unit", "baseline", "ratio", "target", "status"]
-    table = [
-        [
-            r.bench,
-            r.case,
-            _fmt(r.value),
-            r.unit,
-            _fmt(r.baseline),
-            _fmt(r.ratio),
-            r.target or "",
-            "" if r.ok is None else ("PASS" if r.ok else "MISS"),
-        ]
-        for r in rows
-    ]
-    widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
-    right = {2, 4, 5}
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(
-            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
-        ).rstrip()
-
-    print(header)
-    print(line(cols))
-    print(line(["-" * w for w in widths]))
-    previous = None
-    for r, t in zip(rows, table):
-        if previous is not None and r.bench != previous:
-            print()
-        previous = r.bench
-        print(line(t))
-    print(flush=True)
-
-
-_STARTED = time.monotonic()
-
-
-def log(msg: str, quiet: bool) -> None:
-    if not quiet:
-        print(f"# {time.monotonic() - _STARTED:5.1f} s  {msg}", file=sys.stderr, flush=True)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-def cpu_busy_s() -> tuple[float, float]:
-    """(busy, steal) CPU seconds of the whole machine so far, from /proc/stat."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return 0.0, 0.0
-    tick = os.sysconf("SC_CLK_TCK")
-    busy = sum(fields[:3]) + sum(fields[5:7])
-    steal = fields[7] if len(fields) > 7 else 0
-    return busy / tick, steal / tick
-
-
-def children_cpu_s() -> float:
-    t = os.times()
-    return t.children_user + t.children_system
 
 
 # -- the source process -------------------------------------------------------------------
@@ -286,26 +171,15 @@ class Destination:
         self.region = touched(self.nbytes, 0)
         self.pool = touched(2 * block, 0)  # unused: deliver writes the engine region
         self.channel = ZmqPeerControlChannel("127.0.0.1", free_port(), "127.0.0.1")
-        self.kv = KVCR(
-            KVCRConfig(
-                self.agent, [("", block)], operation_timeout_ms=20_000, abandon_timeout_ms=40_000
-            ),
-            KVCRBindings(
-                request_pin=lambda keys: 0,
-                poll_pin_results=lambda: [],
-                release_pin=lambda handle: True,
-                framework_control=self.channel,
-                key_adapter=IntKeys(),
-            ),
-            KVCRBackendConfigs(
-                framework_regions=[
-                    RegionDescriptor(addr=self.region.ctypes.data, size=block, count=count)
-                ],
-                local_dram=LocalDramOptions([("", self.pool.ctypes.data, self.pool.nbytes)]),
-                remote_fw_dram=RemoteFWDramOptions(eager_ctrl_connect=True),
-            ),
+        self.kv = make_instance(
+            self.agent,
+            block,
+            self.region,
+            self.pool,
+            null_bindings(framework_control=self.channel, key_adapter=IntKeys()),
+            remote_fw_dram=RemoteFWDramOptions(eager_ctrl_connect=True),
         )
-        self.thread = next(t for t in threading.enumerate() if t.name == f"kvcr-{self.agent}")
+        self.thread = runtime_thread(self.agent)
         self.raw = raw
         self.reg = raw.register_memory([(self.region.ctypes.data, self.nbytes, 0, "")], "DRAM")
         refs = [[MemoryRef(end_point_name=self.agent, element_index=i)] for i in range(count)]
@@ -560,42 +434,29 @@ def bench_idle(
     log(f"idle CPU: 1 s settle, {seconds:.0f} s measured, both processes", quiet)
     time.sleep(1.0)
     source("idle_begin")
-    wall0, proc0, thr0 = time.monotonic(), time.process_time(), thread_cpu_s(dst.thread)
+    span = CpuSpan(dst.thread)
     time.sleep(seconds)  # the main thread sleeps: this process's CPU is kvcr's (and NIXL's)
-    wall = time.monotonic() - wall0
-    proc, thr = time.process_time() - proc0, thread_cpu_s(dst.thread) - thr0
-    src = source("idle_end")
-    for who, thread_s, proc_s, span in (
-        ("destination (B)", thr, proc, wall),
-        ("source (A)", src["thread"], src["proc"], src["wall"]),
-    ):
-        for what, cpu in (("runtime thread", thread_s), ("whole process", proc_s)):
-            pct = 100 * cpu / span
-            rows["idle"].append(
-                Row("idle", f"{who} {what}", pct, "% core", target="<=2 %", ok=pct <= 2.0)
-            )
+    dst_cpu = span.end()
+    src_cpu = source("idle_end")
+    for who, cpu in (("destination (B)", dst_cpu), ("source (A)", src_cpu)):
+        for what, key in (("runtime thread", "thread"), ("whole process", "proc")):
+            rows["idle"].append(idle_row(f"{who} {what}", 100 * cpu[key] / cpu["wall"]))
 
 
 # -- main ---------------------------------------------------------------------------------
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions (< 1 min)")
-    parser.add_argument("--json-only", action="store_true", help="print only the JSON lines")
-    args = parser.parse_args(argv)
+    args = arguments(__doc__.split("\n\n")[0], "fewer repetitions (< 1 min)", argv)
     quiet = args.json_only
     if args.quick:
         reps_big, reps_small, warm = 30, 300, 3
     else:
         reps_big, reps_small, warm = 120, 1500, 5
     started = time.monotonic()
-    busy0, own0, kids0 = cpu_busy_s(), time.process_time(), children_cpu_s()
+    load = MachineLoad(children=True)
     rows: dict[str, list[Row]] = {"throughput": [], "latency": [], "idle": []}
-    raw = nixl_agent(
-        f"p2p-raw-dst-{os.getpid()}", nixl_agent_config(enable_prog_thread=False, backends=[])
-    )
-    raw.create_backend("UCX", {})
+    raw = bare_agent(f"p2p-raw-dst-{os.getpid()}")
     source = SourceProc()
     try:
         source("ping", timeout=120)
@@ -605,32 +466,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         source.close()
     log("done", quiet)
     elapsed = time.monotonic() - started
-    busy1 = cpu_busy_s()
-    ours = time.process_time() - own0 + children_cpu_s() - kids0
-    others = max(0.0, busy1[0] - busy0[0] - ours)
     notes = [
         ENGINE_POLL_NOTE,
         GC_NOTE,
-        f"machine load during the run: other processes {100 * others / elapsed:.0f} % of a core, "
-        f"steal {100 * (busy1[1] - busy0[1]) / elapsed:.0f} % (this benchmark "
-        f"{100 * ours / elapsed:.0f} %); the transfers need both cores, so compare runs with "
-        "low background load",
+        load.note(elapsed, "this benchmark", "the transfers need both cores"),
     ]
     all_rows = [*rows["throughput"], *rows["latency"], *rows["idle"]]
-    if not args.json_only:
-        mode = "quick" if args.quick else "full"
-        print_table(
-            all_rows,
-            f"kvcr peer-to-peer benchmark ({mode}, {elapsed:.0f} s, {os.cpu_count()} CPUs, "
-            f"Python {sys.version.split()[0]})",
-        )
-        missed = [r for r in all_rows if r.ok is False]
-        print(f"targets: {sum(r.ok is True for r in all_rows)} PASS, {len(missed)} MISS")
-        for note in notes:
-            print(f"note: {note}")
-        print()
-    for row in all_rows:
-        print(row.as_json())
+    report(all_rows, notes, "kvcr peer-to-peer benchmark", args, elapsed)
     return 0
 
 

@@ -10,14 +10,8 @@ an engine thread busy elsewhere: the kvcr runtime thread serves pulls on its own
 
 from __future__ import annotations
 
-import os
-
-# Must be set before nixl is imported (nixl-on-cpu.md).
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
-os.environ.setdefault("UCX_MEM_EVENTS", "no")
-os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-
 import gc
+import os
 import sys
 import threading
 import time
@@ -26,17 +20,20 @@ import zlib
 from multiprocessing.connection import Connection
 from typing import Any
 
-import numpy as np
+from common import (
+    CpuSpan,
+    bare_agent,
+    crcs,
+    make_instance,
+    randomized,
+    raw_transfer,
+    runtime_thread,
+    touched,
+)
 
-from kvcr import KVCR, KVCRBindings
-from kvcr.config import KVCRBackendConfigs, KVCRConfig, LocalDramOptions
+from kvcr import KVCRBindings
 from kvcr.control_channels import ZmqPeerControlChannel
-from kvcr.types import BlockKey, MemoryRef, OpEntryStatus, RegionDescriptor
-
-try:
-    from nixl_cu13._api import nixl_agent, nixl_agent_config
-except ImportError:  # the meta package's shim
-    from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[no-redef]
+from kvcr.types import BlockKey, MemoryRef, OpEntryStatus
 
 OP_TIMEOUT_S = 60.0
 POOL_KEY_BASE = 1_000_000  # keys deposited into the source's kvcr pool
@@ -55,28 +52,6 @@ class IntKeys:
 
     def decode(self, key: BlockKey) -> int:
         return int.from_bytes(key, "big")
-
-
-def touched(nbytes: int, fill: int = 0) -> np.ndarray:
-    """A buffer whose pages are all faulted in (np.zeros would map them lazily)."""
-    buf = np.empty(nbytes, dtype=np.uint8)
-    buf.fill(fill)
-    return buf
-
-
-def randomized(nbytes: int, seed: int) -> np.ndarray:
-    buf = np.empty(nbytes, dtype=np.uint8)
-    np.random.default_rng(seed).random(out=buf.view(np.float64))
-    return buf
-
-
-def crcs(buf: np.ndarray, block: int, count: int) -> list[int]:
-    return [zlib.crc32(buf[i * block : (i + 1) * block]) for i in range(count)]
-
-
-def thread_cpu_s(thread: threading.Thread) -> float:
-    assert thread.ident is not None
-    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
 class EnginePins:
@@ -133,28 +108,15 @@ class Source:
         self.region_crcs = crcs(self.region, block, count)
         self.pins = EnginePins(self.agent, count)
         self.channel = ZmqPeerControlChannel("127.0.0.1", port, "127.0.0.1")
-        self.kv = KVCR(
-            KVCRConfig(
-                self.agent,
-                [("", block)],
-                operation_timeout_ms=20_000,
-                abandon_timeout_ms=40_000,
-            ),
-            KVCRBindings(
-                request_pin=self.pins.request_pin,
-                poll_pin_results=self.pins.poll_pin_results,
-                release_pin=self.pins.release_pin,
-                framework_control=self.channel,
-                key_adapter=IntKeys(),
-            ),
-            KVCRBackendConfigs(
-                framework_regions=[
-                    RegionDescriptor(addr=self.region.ctypes.data, size=block, count=count)
-                ],
-                local_dram=LocalDramOptions([("", self.pool.ctypes.data, self.pool.nbytes)]),
-            ),
+        bindings = KVCRBindings(
+            request_pin=self.pins.request_pin,
+            poll_pin_results=self.pins.poll_pin_results,
+            release_pin=self.pins.release_pin,
+            framework_control=self.channel,
+            key_adapter=IntKeys(),
         )
-        self.thread = next(t for t in threading.enumerate() if t.name == f"kvcr-{self.agent}")
+        self.kv = make_instance(self.agent, block, self.region, self.pool, bindings)
+        self.thread = runtime_thread(self.agent)
         # Raw baseline: the same buffers, registered with the process's bare agent.
         self.raw = raw
         self.regs = [
@@ -221,17 +183,10 @@ class Source:
     def raw_write(self, variant: str, notif: bytes, n: int) -> float:
         """One WRITE of the first ``n`` blocks with a notification; spins until DONE (the
         destination must call into NIXL meanwhile). Returns seconds from make to release."""
-        raw = self.raw
         idx = list(range(n))
-        t0 = time.perf_counter()
-        handle = raw.make_prepped_xfer("WRITE", self.dlists[variant], idx, self.remote, idx, notif)
-        state = raw.transfer(handle)
-        while state == "PROC":
-            state = raw.check_xfer_state(handle)
-        raw.release_xfer_handle(handle)
-        elapsed = time.perf_counter() - t0
-        if state != "DONE":
-            raise RuntimeError(f"raw WRITE ended in state {state}")
+        elapsed = raw_transfer(
+            self.raw, "WRITE", self.dlists[variant], idx, self.remote, idx, notif
+        )
         self.writes += 1
         return elapsed
 
@@ -251,12 +206,9 @@ class Source:
 
 def main() -> None:
     conn = Connection(int(sys.argv[1]))
-    raw = nixl_agent(
-        f"p2p-raw-src-{os.getpid()}", nixl_agent_config(enable_prog_thread=False, backends=[])
-    )
-    raw.create_backend("UCX", {})
+    raw = bare_agent(f"p2p-raw-src-{os.getpid()}")
     source: Source | None = None
-    idle: dict[str, float] = {}
+    idle: CpuSpan | None = None
 
     def setup(label: str, block: int, count: int, port: int) -> dict[str, Any]:
         nonlocal source
@@ -267,19 +219,13 @@ def main() -> None:
         return {"endpoint": source.channel.endpoint, "crcs": source.region_crcs}
 
     def idle_begin() -> None:
+        nonlocal idle
         assert source is not None
-        idle.update(
-            wall=time.monotonic(), proc=time.process_time(), thread=thread_cpu_s(source.thread)
-        )
+        idle = CpuSpan(source.thread)
 
     def idle_end() -> dict[str, float]:
-        assert source is not None
-        wall = time.monotonic() - idle["wall"]
-        return {
-            "wall": wall,
-            "proc": time.process_time() - idle["proc"],
-            "thread": thread_cpu_s(source.thread) - idle["thread"],
-        }
+        assert source is not None and idle is not None
+        return idle.end()
 
     def pins() -> dict[str, int]:
         assert source is not None

@@ -1,0 +1,350 @@
+"""What the benchmark scripts share: result rows and their output (table and JSON lines), the
+command line, buffers, percentiles, CPU accounting, and the NIXL and kvcr set-up.
+
+Imported as ``common`` by ``local.py``, ``p2p.py`` and ``p2p_worker.py`` (a script's own
+directory is on ``sys.path``). Importing it sets the NIXL/UCX environment defaults and then
+imports nixl.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Must be set before nixl is imported (nixl-on-cpu.md); inherited by child processes.
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("UCX_MEM_EVENTS", "no")
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+import argparse
+import json
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from kvcr import KVCR, KVCRBindings
+from kvcr.config import KVCRBackendConfigs, KVCRConfig, LocalDramOptions
+from kvcr.telemetry import InMemoryStats
+from kvcr.types import RegionDescriptor
+
+try:
+    from nixl_cu13._api import nixl_agent, nixl_agent_config
+except ImportError:  # the meta package's shim
+    from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[no-redef]
+
+KIB = 1 << 10
+MIB = 1 << 20
+
+
+# -- results -----------------------------------------------------------------------------
+
+
+@attrs.define
+class Row:
+    bench: str
+    case: str
+    value: float
+    unit: str
+    baseline: float | None = None
+    target: str = ""
+    ok: bool | None = None  # None: no target
+
+    @property
+    def ratio(self) -> float | None:
+        if self.baseline is None or not self.baseline:
+            return None
+        return self.value / self.baseline
+
+    def as_json(self) -> str:
+        ratio = self.ratio
+        return json.dumps(
+            {
+                "bench": self.bench,
+                "case": self.case,
+                "value": round(self.value, 4),
+                "unit": self.unit,
+                "baseline": None if self.baseline is None else round(self.baseline, 4),
+                "ratio": None if ratio is None else round(ratio, 4),
+            }
+        )
+
+
+def idle_row(case: str, pct: float) -> Row:
+    """An idle-CPU row: ``pct`` % of a core, target <= 2 %."""
+    return Row("idle", case, pct, "% core", target="<=2 %", ok=pct <= 2.0)
+
+
+def _fmt(x: float | None, by_magnitude: bool) -> str:
+    """``x`` with 3 significant digits or so; ``by_magnitude=False`` picks the decimals by the
+    signed value (a negative value gets 3), as local.py always has."""
+    if x is None:
+        return "-"
+    size = abs(x) if by_magnitude else x
+    if size >= 100:
+        return f"{x:.0f}"
+    if size >= 10:
+        return f"{x:.1f}"
+    return f"{x:.2f}" if size >= 0.1 else f"{x:.3f}"
+
+
+def print_table(rows: Sequence[Row], header: str, by_magnitude: bool = True) -> None:
+    cols = ["bench", "case", "value", "unit", "baseline", "ratio", "target", "status"]
+    table = [
+        [
+            r.bench,
+            r.case,
+            _fmt(r.value, by_magnitude),
+            r.unit,
+            _fmt(r.baseline, by_magnitude),
+            _fmt(r.ratio, by_magnitude),
+            r.target or "",
+            "" if r.ok is None else ("PASS" if r.ok else "MISS"),
+        ]
+        for r in rows
+    ]
+    widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
+    right = {2, 4, 5}
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ).rstrip()
+
+    print(header)
+    print(line(cols))
+    print(line(["-" * w for w in widths]))
+    previous = None
+    for r, t in zip(rows, table):
+        if previous is not None and r.bench != previous:
+            print()
+        previous = r.bench
+        print(line(t))
+    print(flush=True)
+
+
+def report(
+    rows: Sequence[Row],
+    notes: Sequence[str],
+    title: str,
+    args: argparse.Namespace,
+    elapsed: float,
+    by_magnitude: bool = True,
+) -> None:
+    """The human table, target count and notes (unless ``--json-only``), then one JSON line
+    per row."""
+    if not args.json_only:
+        mode = "quick" if args.quick else "full"
+        print_table(
+            rows,
+            f"{title} ({mode}, {elapsed:.0f} s, {os.cpu_count()} CPUs, "
+            f"Python {sys.version.split()[0]})",
+            by_magnitude,
+        )
+        missed = [r for r in rows if r.ok is False]
+        print(f"targets: {sum(r.ok is True for r in rows)} PASS, {len(missed)} MISS")
+        for note in notes:
+            print(f"note: {note}")
+        print()
+    for row in rows:
+        print(row.as_json())
+
+
+def arguments(description: str, quick_help: str, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``--quick`` and ``--json-only``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--json-only", action="store_true", help="print only the JSON lines")
+    return parser.parse_args(argv)
+
+
+_STARTED = time.monotonic()
+
+
+def log(msg: str, quiet: bool) -> None:
+    if not quiet:
+        print(f"# {time.monotonic() - _STARTED:5.1f} s  {msg}", file=sys.stderr, flush=True)
+
+
+# -- buffers and statistics --------------------------------------------------------------
+
+
+def touched(nbytes: int, fill: int = 0) -> np.ndarray:
+    """A buffer whose pages are all faulted in (np.zeros would map them lazily)."""
+    buf = np.empty(nbytes, dtype=np.uint8)
+    buf.fill(fill)
+    return buf
+
+
+def randomized(nbytes: int, seed: int) -> np.ndarray:
+    buf = np.empty(nbytes, dtype=np.uint8)
+    np.random.default_rng(seed).random(out=buf.view(np.float64))
+    return buf
+
+
+def crcs(buf: np.ndarray, block: int, count: int) -> list[int]:
+    return [zlib.crc32(buf[i * block : (i + 1) * block]) for i in range(count)]
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+# -- CPU accounting ----------------------------------------------------------------------
+
+
+def thread_cpu_s(thread: threading.Thread) -> float:
+    """CPU seconds of one thread, via its CPU clock (or /proc as a fallback)."""
+    assert thread.ident is not None
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    except (OSError, AttributeError):
+        with open(f"/proc/self/task/{thread.native_id}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuSpan:
+    """Wall seconds, this process's CPU seconds and one thread's, from construction until
+    ``end()``."""
+
+    def __init__(self, thread: threading.Thread) -> None:
+        self.thread = thread
+        self.wall0, self.proc0 = time.monotonic(), time.process_time()
+        self.thread0 = thread_cpu_s(thread)
+
+    def end(self) -> dict[str, float]:
+        wall = time.monotonic() - self.wall0
+        return {
+            "wall": wall,
+            "proc": time.process_time() - self.proc0,
+            "thread": thread_cpu_s(self.thread) - self.thread0,
+        }
+
+
+def cpu_busy_s() -> tuple[float, float]:
+    """(busy, steal) CPU seconds of the whole machine so far, from /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0.0, 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    # user nice system idle iowait irq softirq steal ...
+    busy = sum(fields[:3]) + sum(fields[5:7])
+    steal = fields[7] if len(fields) > 7 else 0
+    return busy / tick, steal / tick
+
+
+class MachineLoad:
+    """How much CPU the rest of the machine takes from construction until ``note()``: kvcr
+    needs both cores (engine thread and runtime thread) where memcpy and raw NIXL need one, so
+    background load lowers kvcr's ratios. ``children``: count this process's (waited-for)
+    children as its own."""
+
+    def __init__(self, children: bool = False) -> None:
+        self.children = children
+        self.busy0, self.own0 = cpu_busy_s(), self._own()
+
+    def _own(self) -> float:
+        own = time.process_time()
+        if self.children:
+            t = os.times()
+            own += t.children_user + t.children_system
+        return own
+
+    def note(self, wall: float, who: str, needs: str) -> str:
+        busy1 = cpu_busy_s()
+        own = self._own() - self.own0
+        others = max(0.0, busy1[0] - self.busy0[0] - own)
+        steal = busy1[1] - self.busy0[1]
+        return (
+            f"machine load during the run: other processes {100 * others / wall:.0f} % of a "
+            f"core, steal {100 * steal / wall:.0f} % ({who} {100 * own / wall:.0f} %); {needs}, "
+            "so compare runs with low background load"
+        )
+
+
+# -- NIXL and kvcr -----------------------------------------------------------------------
+
+
+def bare_agent(name: str) -> Any:
+    """A bare NIXL agent with the UCX backend: the raw baseline."""
+    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+    agent.create_backend("UCX", {})
+    return agent
+
+
+def raw_transfer(
+    agent: Any,
+    op: str,
+    local: Any,
+    local_idx: list[int],
+    remote: Any,
+    remote_idx: list[int],
+    notif: bytes = b"",
+) -> float:
+    """One prepped ``op`` ("READ" or "WRITE") of a bare agent, polled until it is no longer in
+    progress; seconds from make to release."""
+    t0 = time.perf_counter()
+    handle = agent.make_prepped_xfer(op, local, local_idx, remote, remote_idx, notif)
+    state = agent.transfer(handle)
+    while state == "PROC":
+        state = agent.check_xfer_state(handle)
+    agent.release_xfer_handle(handle)
+    elapsed = time.perf_counter() - t0
+    if state != "DONE":
+        raise RuntimeError(f"raw NIXL {op} ended in state {state}")
+    return elapsed
+
+
+def null_bindings(stats: bool = False, **more: Any) -> KVCRBindings:
+    """Bindings of an engine that pins nothing; ``more``: further KVCRBindings fields."""
+    return KVCRBindings(
+        request_pin=lambda keys: 0,
+        poll_pin_results=lambda: [],
+        release_pin=lambda handle: True,
+        stats_factory=InMemoryStats if stats else None,
+        **more,
+    )
+
+
+def make_instance(
+    name: str,
+    block: int,
+    region: np.ndarray,
+    pool: np.ndarray,
+    bindings: KVCRBindings,
+    telemetry: bool = False,
+    **backends: Any,
+) -> KVCR:
+    """A kvcr instance over the engine ``region`` (elements of ``block`` bytes) with ``pool``
+    as its DRAM pool; ``backends``: further KVCRBackendConfigs fields."""
+    config = KVCRConfig(
+        name,
+        [("", block)],
+        enable_telemetry=telemetry,
+        operation_timeout_ms=20_000,
+        abandon_timeout_ms=40_000,
+    )
+    return KVCR(
+        config,
+        bindings,
+        KVCRBackendConfigs(
+            framework_regions=[
+                RegionDescriptor(addr=region.ctypes.data, size=block, count=region.nbytes // block)
+            ],
+            local_dram=LocalDramOptions([("", pool.ctypes.data, pool.nbytes)]),
+            **backends,
+        ),
+    )
+
+
+def runtime_thread(agent: str) -> threading.Thread:
+    """The runtime thread of the kvcr instance named ``agent``."""
+    return next(t for t in threading.enumerate() if t.name == f"kvcr-{agent}")
