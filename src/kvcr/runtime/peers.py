@@ -50,6 +50,9 @@ RECEIVE_POLL_S = 0.002  # only for control channels without a file descriptor
 BUSY_PROGRESS_S = 0.001
 FAST_PROGRESS_S = 0.0002
 FAST_WINDOW_S = 0.01
+# A pull's data is due about when the source could have copied it at this rate; the
+# destination polls fast until then (plus the window), slowly after.
+EXPECTED_BYTES_PER_S = 5e9
 IDLE_PROGRESS_S = 0.1
 
 
@@ -77,6 +80,7 @@ class RemotePull:
     reason: str = ""
     abandoned: bool = False
     on_over: list[Callable[[], None]] = attrs.field(factory=list)
+    due: float = 0.0  # when its data should have landed (trio time)
 
 
 class Peers:
@@ -196,8 +200,12 @@ class Peers:
                 else:
                     now = trio.current_time()
                     busy_since = now if busy_since is None else busy_since
-                    young = now - busy_since < FAST_WINDOW_S
-                    await sleep(FAST_PROGRESS_S if young else BUSY_PROGRESS_S)
+                    due = max(
+                        (p.due for link in self.links.values() for p in link.pulls.values()),
+                        default=0.0,
+                    )
+                    fast = now < max(busy_since + FAST_WINDOW_S, due)
+                    await sleep(FAST_PROGRESS_S if fast else BUSY_PROGRESS_S)
                 self._poll_notifications()
         finally:
             close()
@@ -318,6 +326,8 @@ class Peers:
         link = self.link(endpoint)
         await link.ready.wait()
         pull = RemotePull(next(self._reqs), link, link.incarnation, keys)
+        nbytes = sum(n for _, n in dst)
+        pull.due = trio.current_time() + nbytes / EXPECTED_BYTES_PER_S + FAST_WINDOW_S
         link.pulls[pull.req] = pull
         op.xfers[pull] = frozenset(keys)
         pull.on_over.append(lambda: self.outbox.xfer_terminal(op, pull))

@@ -43,6 +43,11 @@ from kvcr.types import BlockKey, CacheTier, InventoryEvent
 SCOPES = {"deposit": SCOPE_LOCAL_FILL, "deliver": SCOPE_LOCAL_DELIVER, "fetch": SCOPE_LOCAL_FETCH}
 REMOTE_SCOPES = {"deliver": "remote_deliver", "fetch": "remote_fetch"}
 
+
+async def _run(coroutine: Any) -> None:
+    await coroutine
+
+
 # Transports whose transfers never ended: kept referenced so their memory registrations
 # and agents are never torn down under a transfer that might still run.
 _LEAKED: list[object] = []
@@ -301,20 +306,26 @@ class Runtime:
         if missing:
             op.failure = f"{op.kind}: {len(missing)} keys are neither local nor covered by a hint"
             self.outbox.answer(op, dict.fromkeys(missing, FAILED))
-        async with trio.open_nursery() as parts:
-            if resident and self.local is not None:
-                if op.kind == "deliver":
-                    parts.start_soon(self.local.deliver, op, destinations, resident)
-                else:
-                    parts.start_soon(self.local.fetch, op, resident)
-            elif resident:
-                self.outbox.answer(op, dict.fromkeys(resident, FAILED))
-            if remote_keys:
-                assert self.remote is not None and remote is not None
-                if op.kind == "deliver":
-                    parts.start_soon(self.remote.deliver, op, destinations, remote_keys, remote[0])
-                else:
-                    parts.start_soon(self.remote.fetch, op, remote_keys, remote[0])
+        parts = []
+        if resident and self.local is not None:
+            if op.kind == "deliver":
+                parts.append(self.local.deliver(op, destinations, resident))
+            else:
+                parts.append(self.local.fetch(op, resident))
+        elif resident:
+            self.outbox.answer(op, dict.fromkeys(resident, FAILED))
+        if remote_keys:
+            assert self.remote is not None and remote is not None
+            if op.kind == "deliver":
+                parts.append(self.remote.deliver(op, destinations, remote_keys, remote[0]))
+            else:
+                parts.append(self.remote.fetch(op, remote_keys, remote[0]))
+        if len(parts) == 1:
+            await parts[0]  # the common case: no task hop
+        elif parts:
+            async with trio.open_nursery() as nursery:
+                for part in parts:
+                    nursery.start_soon(_run, part)
         if op.remote_failed and remote is not None:
             self.outbox.failed_hints.append(remote[1])
 
