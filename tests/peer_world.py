@@ -87,8 +87,11 @@ class EnginePins:
 
 
 class Worker:
-    def __init__(self, world: World, name: str, eager: bool = True, **engine_kw: Any) -> None:
+    def __init__(
+        self, world: World, name: str, eager: bool = True, pools: bool = True, **engine_kw: Any
+    ) -> None:
         self.world = world
+        self.pools = pools
         engine_kw.setdefault("operation_timeout_ms", 1000)
         engine_kw.setdefault("abandon_timeout_ms", 3000)
         self.engine = EngineSim(name=name, **engine_kw)
@@ -114,7 +117,7 @@ class Worker:
     async def running(self) -> AsyncIterator[Any]:
         backends = KVCRBackendConfigs(
             framework_regions=self.engine.backend_configs.framework_regions,
-            local_dram=self.engine.backend_configs.local_dram,
+            local_dram=self.engine.backend_configs.local_dram if self.pools else None,
             remote_fw_dram=RemoteFWDramOptions(eager_ctrl_connect=self.eager),
         )
 

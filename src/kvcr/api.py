@@ -12,7 +12,7 @@ import functools
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -101,6 +101,24 @@ class KVCRBindings:
         _has_methods("framework_control", self.framework_control, ("send", "recv"))
         _has_methods("key_adapter", self.key_adapter, ("encode", "decode"))
         _has_methods("policy", self.policy, POLICY_HOOKS)
+
+
+def _drain(queue: Any) -> Iterator[Any]:
+    """Pop until empty; safe when several engine threads drain the same deque."""
+    while True:
+        try:
+            yield queue.popleft()
+        except IndexError:
+            return
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """The error that failed startup, not trio's group around it."""
+    inner = getattr(exc, "exceptions", None)  # (Base)ExceptionGroup, or its 3.10 backport
+    while isinstance(inner, tuple) and len(inner) == 1:
+        exc = inner[0]
+        inner = getattr(exc, "exceptions", None)
+    return exc
 
 
 class KVCR:
@@ -225,7 +243,7 @@ class KVCR:
             try:
                 trio.run(functools.partial(self._runtime.serve, task_status=Started()))
             except BaseException as exc:
-                failure.append(exc)
+                failure.append(_unwrap(exc))
             finally:
                 started.set()
 
@@ -313,7 +331,8 @@ class KVCR:
         self._check_open("query")
         view = self._view
         answers = [view.get(key, MISS) for key in keys]
-        hint = self._live_hint(request_id)
+        # Without a control channel no peer can be asked: a hint covers nothing.
+        hint = self._live_hint(request_id) if self._bindings.framework_control else None
         if hint is not None:
             for i, answer in enumerate(answers):
                 if answer is MISS and self._hint_covers(hint, keys[i]):
@@ -322,9 +341,8 @@ class KVCR:
 
     def _live_hint(self, request_id: object) -> Any:
         """The request's hint, unless it failed (remote failures arrive from the runtime)."""
-        failed = self._outbox.failed_hints
-        while failed:
-            self._hints.mark_failed(failed.popleft())
+        for failed in _drain(self._outbox.failed_hints):
+            self._hints.mark_failed(failed)
         if not len(self._hints):
             return None
         hint = self._hints.get(request_id)
@@ -414,13 +432,19 @@ class KVCR:
         return results
 
     def poll_completed(self) -> list[OpResult]:
-        events = self._outbox.events
-        while events:
-            self._deliver_event(events.popleft())
+        # Count results before taking events: the runtime appends an operation's uncertain
+        # event before its FAILED entries, so every result counted here has its event
+        # delivered first, even if more arrive meanwhile.
         results = self._outbox.results
+        ready = len(results)
+        for event in _drain(self._outbox.events):
+            self._deliver_event(event)
         out = []
-        while results:
-            out.append(results.popleft())
+        for _ in range(ready):
+            try:
+                out.append(results.popleft())
+            except IndexError:  # another engine thread took it
+                break
         return out
 
     def _deliver_event(self, event: Exception) -> None:

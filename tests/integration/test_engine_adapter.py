@@ -9,6 +9,7 @@ telemetry through ``stats_factory`` and ``get_stats``.
 from __future__ import annotations
 
 import hashlib
+import socket
 import time
 import zlib
 
@@ -25,6 +26,7 @@ from kvcr import (
     KVCRBindings,
 )
 from kvcr.config import KVCRBackendConfigs, KVCRConfig, LocalDramOptions
+from kvcr.control_channels import ZmqPeerControlChannel
 from kvcr.telemetry import InMemoryStats
 from kvcr.types import BlockKey, CacheTier, InventoryEvent, MemoryRef, QueryStatus, RegionDescriptor
 
@@ -54,10 +56,16 @@ class Adapter:
         self.inventory: list[InventoryEvent] = []
         self.keys = HashKeys()
         config = KVCRConfig("vllm-worker-0", [("", BLOCK)], enable_telemetry=True)
+        # The peer control channel, as vLLM's adapter creates it (an ephemeral port here).
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        self.channel = ZmqPeerControlChannel("127.0.0.1", port, "127.0.0.1")
         bindings = KVCRBindings(
             request_pin=lambda keys: 0,
             poll_pin_results=lambda: [],
             release_pin=lambda handle: True,
+            framework_control=self.channel,
             key_adapter=self.keys,
             inventory_sink=self.inventory.append,
             stats_factory=InMemoryStats,
@@ -92,6 +100,7 @@ def adapter():
     a = Adapter()
     yield a
     a.kvcr.close()
+    a.channel.close()
 
 
 def test_offload_then_load_a_prefix_like_the_vllm_adapter(adapter: Adapter) -> None:

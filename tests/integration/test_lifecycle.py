@@ -93,3 +93,41 @@ def test_a_policy_hook_that_raises_is_logged_and_defaults_apply() -> None:
         assert engine.statuses(engine.wait(kv, handle, 1)) == {key(0): "SUCCESS"}
     finally:
         kv.close()
+
+
+def test_without_local_dram_deposits_fail_and_nothing_is_stored() -> None:
+    engine = EngineSim(name="lifecycle-no-pools")
+    backends = KVCRBackendConfigs(framework_regions=engine.backend_configs.framework_regions)
+    kv = KVCR(engine.config, Recorder().bindings(), backends)
+    try:
+        handle = kv.deposit(engine.blocks([(key(0), 0), (key(1), 1)]))
+        assert engine.statuses(engine.wait(kv, handle, 2)) == {
+            key(0): "FAILED",
+            key(1): "FAILED",
+        }
+        assert [status.value for status, _ in kv.query([key(0)])] == ["MISS"]
+        handle = kv.fetch([key(0)])
+        assert engine.statuses(engine.wait(kv, handle, 1)) == {key(0): "FAILED"}
+    finally:
+        kv.close()
+
+
+def test_a_failure_inside_the_runtime_at_start_is_reraised_as_itself() -> None:
+    class BrokenChannel:
+        def initialize(self) -> None:
+            raise OSError("control port in use")
+
+        def send(self, endpoint: str, message: bytes) -> bool:
+            return False
+
+        def recv(self) -> list[bytes]:
+            return []
+
+    engine = EngineSim(name="lifecycle-broken-channel")
+    with pytest.raises(OSError, match="control port in use"):
+        KVCR(
+            engine.config,
+            Recorder().bindings(framework_control=BrokenChannel()),
+            engine.backend_configs,
+        )
+    assert kvcr_threads() == []

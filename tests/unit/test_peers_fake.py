@@ -438,3 +438,34 @@ async def test_closing_a_source_hands_back_pins_the_engine_refused_to_take(autoj
             assert statuses(await b.deliver([(3, 10)])) == {key(3): "SUCCESS"}
             assert a.pins.pinned == {"pin-1"}  # refused once already, retried later
         assert a.pins.released == ["pin-1"] and not a.pins.pinned
+
+
+async def test_a_worker_without_local_dram_still_pulls_into_engine_memory(autojump_clock):
+    world = World()
+    a, b = Worker(world, "a"), Worker(world, "b", pools=False)
+    async with a.running(), b.running():
+        await share(a, b, [0, 1])
+
+        entries = await b.deliver([(0, 10), (1, 11)])
+
+        assert set(statuses(entries).values()) == {"SUCCESS"}
+        assert b.engine.checksum(10) == a.engine.checksum(0)
+        handle = b.kv.fetch([key(0)], request_id="r")  # nowhere to fetch into
+        assert statuses(await b.engine.await_op(b.kv, handle, 1)) == {key(0): "FAILED"}
+
+
+async def test_an_unreachable_hinted_peer_fails_the_hint_after_one_deadline(autojump_clock):
+    world = World()
+    b = Worker(world, "b")
+    async with b.running():
+        b.kv.submit_hint(b.hint(Worker(world, "ghost"), [0, 1]), request_id="r")
+        assert b.kv.query([key(0)], request_id="r") == [REMOTE]
+
+        start = trio.current_time()
+        assert statuses(await b.deliver([(0, 10)])) == {key(0): "FAILED"}
+        assert trio.current_time() - start == pytest.approx(1.0, abs=0.01)
+
+        assert b.kv.query([key(0), key(1)], request_id="r") == [MISS, MISS]
+        start = trio.current_time()
+        assert statuses(await b.deliver([(1, 11)])) == {key(1): "FAILED"}
+        assert trio.current_time() - start < 0.01  # at once, not another deadline

@@ -31,13 +31,17 @@ class MemoryMap:
         self._pool_count = len(self.block_sizes)
         by_name = {name: (addr, size) for name, addr, size in pools}
         self.segments: list[Segment] = []
+        self._bases: list[int] = []  # first descriptor of each segment
         self.pool_base: list[int] = []
         self.pool_slots: list[int] = []
         base = 0
         for name, block in pool_layouts:
-            addr, size = by_name[name]
+            # Without local DRAM (peer reuse only) the pools exist with no slots.
+            addr, size = by_name.get(name, (0, 0))
             slots = size // block
-            self.segments.append(Segment(f"pool:{name}", addr, block, slots))
+            if slots:
+                self.segments.append(Segment(f"pool:{name}", addr, block, slots))
+                self._bases.append(base)
             self.pool_base.append(base)
             self.pool_slots.append(slots)
             base += slots
@@ -49,10 +53,10 @@ class MemoryMap:
                 )
             )
             self.regions[region.label] = (region, base)
+            self._bases.append(base)
             base += region.count
         self.descriptor_count = base
         self.bytes_per_key = sum(self.block_sizes)
-        self._bases = [*self.pool_base, *(b for _, b in self.regions.values())]
         # Address and size of every descriptor, for building peer ranges without lookups.
         self.desc_addrs: list[int] = []
         self.desc_sizes: list[int] = []

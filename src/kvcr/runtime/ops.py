@@ -47,6 +47,7 @@ class Operation:
     moved_remote: int = 0  # keys a peer wrote
     remote_keys: frozenset[BlockKey] = frozenset()  # keys asked of the hinted peer
     remote_failed: bool = False  # a pull from the hinted peer got nothing
+    hint_request: object = None  # the request whose hint sent keys to a peer
     ok_keys: set[BlockKey] = attrs.field(factory=set)
     failure: str | None = None
 

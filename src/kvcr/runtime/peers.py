@@ -133,11 +133,16 @@ class Peers:
             nursery.start_soon(self._progress_loop)
             task_status.started()
 
+    def pulls_in_flight(self) -> int:
+        # list() copies in one step: get_stats calls this from an engine thread.
+        return sum(len(link.pulls) for link in list(self.links.values()))
+
     def gauges(self) -> dict[str, float]:
+        """Read from engine threads (get_stats): only atomic reads of runtime state."""
         source = self.source
         return {
-            "peer_links": sum(1 for link in self.links.values() if link.ready.is_set()),
-            "pulls_in_flight": sum(len(link.pulls) for link in self.links.values()),
+            "peer_links": sum(1 for link in list(self.links.values()) if link.ready.is_set()),
+            "pulls_in_flight": self.pulls_in_flight(),
             "source_jobs": len(source.jobs),
             "source_stalled": int(source.stalled),
         }

@@ -62,6 +62,9 @@ class Remote:
     ) -> RemotePull | None:
         """Send the pull and wait for its answer; None if it could not be sent. ``sent``
         receives the pull once it is on its way (then the source may write)."""
+        # Anything but keys written (nothing, an error, the deadline while setting up or
+        # waiting) is a failed remote operation: it marks the request's hint failed.
+        op.remote_failed = True
         try:
             pull = await self.peers.pull(op, endpoint, keys, dst)
         except TransportError as exc:
@@ -75,9 +78,10 @@ class Remote:
         finally:
             if not pull.over.is_set():
                 self.peers.abandon(op, pull)
-        if not pull.written:
+        if pull.written:
+            op.remote_failed = False
+        else:
             op.failure = op.failure or f"{op.kind}: the source had none of the keys ({pull.reason})"
-            op.remote_failed = True
         return pull
 
     async def deliver(

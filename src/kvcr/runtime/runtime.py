@@ -170,8 +170,8 @@ class Runtime:
                     self.log.info("runtime_started", pools=self.memory.pool_names)
                     await self._pump()
                     ops.cancel_scope.cancel()
-                    if self.peers is not None:
-                        await self.peers.source.stop()
+                if self.peers is not None:
+                    await self.peers.source.stop()
                 leaked = not await self._quiesce()
                 # Pins go back to the engine only now that no transfer reads them.
                 await pins.drain(self.config.operation_timeout_ms / 1000)
@@ -219,10 +219,16 @@ class Runtime:
         await nursery.start(self.peers.run)
 
     async def _quiesce(self) -> bool:
+        """Wait, up to abandon_timeout_ms, until nothing can touch our memory: no local or
+        source transfer in flight, and no peer still allowed to write into a pull's
+        destination. False if something still might."""
         assert self.transfers is not None
+        peers = self.peers
         with trio.move_on_after(self.config.abandon_timeout_ms / 1000):
             await self.transfers.wait_idle()
-        return self.transfers.in_flight == 0
+            while peers is not None and peers.pulls_in_flight():
+                await trio.sleep(0.005)
+        return self.transfers.in_flight == 0 and not (peers and peers.pulls_in_flight())
 
     async def _pump(self) -> None:
         while True:
@@ -302,6 +308,8 @@ class Runtime:
             held = set(resident)
             remote_keys = [k for k in op.keys if k not in held and k in remote[2]]
         op.remote_keys = frozenset(remote_keys)
+        if remote_keys and remote is not None:
+            op.hint_request = remote[1]
         missing = set(op.keys).difference(resident, remote_keys)
         if missing:
             op.failure = f"{op.kind}: {len(missing)} keys are neither local nor covered by a hint"
@@ -326,8 +334,6 @@ class Runtime:
             async with trio.open_nursery() as nursery:
                 for part in parts:
                     nursery.start_soon(_run, part)
-        if op.remote_failed and remote is not None:
-            self.outbox.failed_hints.append(remote[1])
 
     async def _run_op(self, op: Operation, body: Any) -> None:
         timed_out = False
@@ -343,6 +349,8 @@ class Runtime:
             if self.local is not None:
                 self.local.withdraw(op, list(op.pending))
             self.outbox.fail_pending(op, op.failure or reason or f"{op.kind}: failed")
+            if op.remote_failed and op.remote_keys:
+                self.outbox.failed_hints.append(op.hint_request)
             self.ops.pop(op.handle, None)
             self._record(op)
             if (

@@ -43,6 +43,7 @@ class SourceJob:
     xfer: Xfer | None = None
     started: float = 0.0
     posted_at: float = 0.0
+    pinned_keys: list[bytes] = attrs.field(factory=list)  # written from engine memory
 
 
 class Source:
@@ -181,6 +182,7 @@ class Source:
                     descs = self._resolve_pinned(refs) if refs is not None else None
                     if descs is not None:
                         wanted[i] = descs
+                        job.pinned_keys.append(msg.keys[i])
         if job.scope.cancelled_caught:
             self._end_job(job, "cancelled")
             return
@@ -280,19 +282,19 @@ class Source:
             self.log.warning("source_write_cancelled", agent=job.agent, req=job.msg.req)
             return
         handle = self.op_ids()
-        if job.pins:
+        if job.pinned_keys:
             self.outbox.events.append(self._source_error(job, handle, "uncertain"))
         await xfer.done.wait()
-        if job.pins:
+        if job.pinned_keys:
             self.outbox.events.append(self._source_error(job, handle, "quiesced"))
 
     def _source_error(self, job: SourceJob, handle: int, state: str) -> TransferError:
-        keys = tuple(job.msg.keys[i] for i in range(len(job.msg.keys)))
+        """Only engine memory is reported: KVCR's own claimed slots are KVCR's to hold."""
         return TransferError(
             f"source write req {job.msg.req} to {job.agent}: still running past abandon_timeout_ms",
             handle,
             state=state,
-            source_blocks=keys,
+            source_blocks=tuple(job.pinned_keys),
             source_owners=("framework",),
         )
 

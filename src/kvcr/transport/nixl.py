@@ -118,6 +118,8 @@ class NixlTransport:
         self._notifs: list[tuple[str, bytes]] = []  # drained by progress(), not yet handed out
 
     def open_local(self, segments: Sequence[Segment]) -> None:
+        if not segments:
+            return  # nothing of ours to move: peers may still be served nothing
         for seg in segments:
             try:
                 reg = self._agent.register_memory([(seg.addr, seg.span, 0, seg.name)], "DRAM")
