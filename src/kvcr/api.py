@@ -223,12 +223,13 @@ class KVCR:
     def _nixl_factory(self) -> Transport:
         from kvcr.transport.nixl import NixlTransport
 
-        return NixlTransport(
-            self._config.nixl_agent_name,
-            self._backend_configs.local_dram.backend
-            if self._backend_configs.local_dram is not None
-            else "UCX",
+        # One agent serves the pools and the peers: the pools' backend when there are
+        # pools, the peers' otherwise (both are "UCX" for host DRAM).
+        local = self._backend_configs.local_dram
+        backend = (
+            local.backend if local is not None else self._backend_configs.remote_fw_dram.backend
         )
+        return NixlTransport(self._config.nixl_agent_name, backend)
 
     def _start_thread(self) -> None:
         started = threading.Event()

@@ -67,6 +67,9 @@ def _normalize_layouts(value: object) -> PoolBlockLayouts:
 
 @dataclasses.dataclass(frozen=True)
 class KVCRConfig:
+    """``nixl_listen_port`` is accepted and validated for adapters that set it; kvcr itself
+    exchanges NIXL metadata over the peer control channel and starts no NIXL listener."""
+
     nixl_agent_name: str
     pool_layouts: PoolBlockLayouts
     enable_telemetry: bool = False
