@@ -91,11 +91,12 @@ class Remote:
         keys: Sequence[BlockKey],
         endpoint: str,
     ) -> None:
-        keys = [k for k in keys if op.live(k)]
+        pending = op.pending
+        keys = [k for k in keys if k in pending]
         dst = self.memory.ranges([d for k in keys for d in destinations[k]])
         pull = await self._pull(op, endpoint, keys, dst, [])
         written = {keys[i] for i in pull.written} if pull is not None else set()
-        answers = {k: SUCCESS if k in written else FAILED for k in keys if op.live(k)}
+        answers = {k: SUCCESS if k in written else FAILED for k in keys if k in pending}
         op.moved_remote += sum(1 for a in answers.values() if a.success)
         self.outbox.answer(op, answers)
 

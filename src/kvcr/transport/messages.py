@@ -205,6 +205,17 @@ def _strict_converter() -> cattrs.Converter:
             return value
 
         converter.register_structure_hook(cls, hook)
+    for item in (bytes, int):
+        # Lists of plain values in one pass (a pull carries hundreds of keys).
+        def list_hook(value: Any, _type: type, item: type = item) -> list:
+            if type(value) is not list:
+                raise TypeError(f"expected list, got {type(value).__name__}")
+            for i, x in enumerate(value):
+                if type(x) is not item:
+                    raise TypeError(f"[{i}]: expected {item.__name__}, got {type(x).__name__}")
+            return value
+
+        converter.register_structure_hook_func(lambda t, item=item: t == list[item], list_hook)
     return converter
 
 
