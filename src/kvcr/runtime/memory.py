@@ -10,7 +10,6 @@ Descriptor numbering: pools first, in ``pool_layouts`` order (slot ``s`` of pool
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Sequence
 
 from kvcr.transport.base import Segment
@@ -31,7 +30,6 @@ class MemoryMap:
         self._pool_count = len(self.block_sizes)
         by_name = {name: (addr, size) for name, addr, size in pools}
         self.segments: list[Segment] = []
-        self._bases: list[int] = []  # first descriptor of each segment
         self.pool_base: list[int] = []
         self.pool_slots: list[int] = []
         base = 0
@@ -41,7 +39,6 @@ class MemoryMap:
             slots = size // block
             if slots:
                 self.segments.append(Segment(f"pool:{name}", addr, block, slots))
-                self._bases.append(base)
             self.pool_base.append(base)
             self.pool_slots.append(slots)
             base += slots
@@ -53,7 +50,6 @@ class MemoryMap:
                 )
             )
             self.regions[region.label] = (region, base)
-            self._bases.append(base)
             base += region.count
         self.descriptor_count = base
         self.bytes_per_key = sum(self.block_sizes)
@@ -69,17 +65,6 @@ class MemoryMap:
         """(address, bytes) of each descriptor: what a peer writes into."""
         addrs, sizes = self.desc_addrs, self.desc_sizes
         return [(addrs[d], sizes[d]) for d in descs]
-
-    def desc_range(self, index: int) -> tuple[int, int]:
-        """(address, bytes) of descriptor ``index``: what a peer writes into."""
-        if not 0 <= index < self.descriptor_count:
-            raise IndexError(f"descriptor {index} out of range ({self.descriptor_count})")
-        seg = bisect.bisect_right(self._bases, index) - 1
-        segment = self.segments[seg]
-        return segment.element_addr(index - self._bases[seg]), segment.element_size
-
-    def slot_desc(self, pool: int, slot: int) -> int:
-        return self.pool_base[pool] + slot
 
     def slot_ref(self, pool: int, slot: int) -> MemoryRef:
         return MemoryRef(
