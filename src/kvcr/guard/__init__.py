@@ -1,0 +1,1 @@
+"""Guard service: wire protocol, client, service and pool groups (contract section 10)."""
