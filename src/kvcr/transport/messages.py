@@ -36,6 +36,8 @@ import cattrs
 import msgpack
 from cattrs.preconf.msgpack import make_converter
 
+from kvcr.wire import describe
+
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 16 << 20
 MAX_KEYS = 65536
@@ -249,29 +251,4 @@ def decode(data: bytes) -> Message:
     try:
         return _converter.structure(raw, cls)
     except Exception as exc:
-        raise MessageError(f"peer message {kind!r}: {_describe(exc)[:300]}") from None
-
-
-def _describe(exc: BaseException, path: str = "") -> str:
-    """The leaf reasons of a (possibly nested) cattrs validation error, each with the path
-    of the field it is about (``keys[3]``, ``dst[0][1]``)."""
-    if isinstance(exc, cattrs.ForbiddenExtraKeysError):
-        return f"{path or 'message'}: unexpected field(s) {sorted(exc.extra_fields)}"
-    if isinstance(exc, cattrs.BaseValidationError):
-        parts = []
-        for inner in exc.exceptions:
-            sub = path
-            for note in getattr(inner, "__notes__", ()):
-                if isinstance(note, cattrs.AttributeValidationNote):
-                    sub = f"{path}.{note.name}" if path else note.name
-                elif isinstance(note, cattrs.IterableValidationNote):
-                    sub = f"{path}[{note.index}]"
-            parts.append(_describe(inner, sub))
-        return "; ".join(parts)
-    if isinstance(exc, KeyError):
-        return f"missing field {exc.args[0]!r}"
-    if exc.args and isinstance(exc.args[0], str):
-        text = exc.args[0]  # attrs validators add the Attribute as further args
-    else:
-        text = str(exc) or type(exc).__name__
-    return f"{path}: {text}" if path else text
+        raise MessageError(f"peer message {kind!r}: {describe(exc)[:300]}") from None
