@@ -5,6 +5,7 @@ with the path of the field it is about (``keys[3]``, ``g3.paths[0]``)."""
 from __future__ import annotations
 
 import reprlib
+from typing import Any
 
 import cattrs
 
@@ -33,3 +34,16 @@ def describe(exc: BaseException, path: str = "") -> str:
     if not path:
         return text
     return f"{path}{text}" if text.startswith("[") else f"{path}: {text}"
+
+
+def strict_scalars(converter: cattrs.Converter, types: tuple[type, ...]) -> None:
+    """Structure each of ``types`` only from exactly that type: on the wire an int is an
+    int, never a bool, a float or a numeric string."""
+    for cls in types:
+
+        def hook(value: Any, _type: type, cls: type = cls) -> Any:
+            if type(value) is not cls:
+                raise TypeError(f"expected {cls.__name__}, got {type(value).__name__}")
+            return value
+
+        converter.register_structure_hook(cls, hook)

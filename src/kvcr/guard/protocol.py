@@ -39,7 +39,7 @@ from cattrs.gen import make_dict_structure_fn
 from cattrs.preconf.msgpack import make_converter
 
 from kvcr.errors import KVCRMsgFramingError, KVCRSocketError
-from kvcr.wire import describe
+from kvcr.wire import describe, strict_scalars
 
 PROTOCOL_VERSION = 1
 MAX_FRAME = 1 << 20
@@ -322,14 +322,7 @@ TYPES: dict[str, type] = {
 
 def _strict_converter() -> cattrs.Converter:
     converter = make_converter(forbid_extra_keys=True)
-    for cls in (int, str, bool):
-
-        def hook(value: Any, _type: type, cls: type = cls) -> Any:
-            if type(value) is not cls:
-                raise TypeError(f"expected {cls.__name__}, got {type(value).__name__}")
-            return value
-
-        converter.register_structure_hook(cls, hook)
+    strict_scalars(converter, (int, str, bool))
 
     def is_list(t: Any) -> bool:
         return getattr(t, "__origin__", None) is list

@@ -36,7 +36,7 @@ import cattrs
 import msgpack
 from cattrs.preconf.msgpack import make_converter
 
-from kvcr.wire import describe
+from kvcr.wire import describe, strict_scalars
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 16 << 20
@@ -199,14 +199,7 @@ TYPES: dict[str, type] = {
 
 def _strict_converter() -> cattrs.Converter:
     converter = make_converter(forbid_extra_keys=True)
-    for cls in (int, bytes, str, bool):
-
-        def hook(value: Any, _type: type, cls: type = cls) -> Any:
-            if type(value) is not cls:
-                raise TypeError(f"expected {cls.__name__}, got {type(value).__name__}")
-            return value
-
-        converter.register_structure_hook(cls, hook)
+    strict_scalars(converter, (int, bytes, str, bool))
     for item in (bytes, int):
         # Lists of plain values in one pass (a pull carries hundreds of keys).
         def list_hook(value: Any, _type: type, item: type = item) -> list:
