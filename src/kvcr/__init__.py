@@ -7,6 +7,7 @@ from kvcr.errors import (
     KVCRServiceError,
     KVCRSocketError,
 )
+from kvcr.guard.client import KVCRClient, KVCRPoolHold
 from kvcr.hints import ROUTER_HINT_CAPABILITIES, ROUTER_HINT_KEY
 from kvcr.telemetry import (
     DURATION_METRIC,
@@ -24,8 +25,10 @@ __all__ = [
     "TRANSFER_BLOCKS_METRIC",
     "TRANSFER_BYTES_METRIC",
     "KVCRBindings",
+    "KVCRClient",
     "KVCRGuardProtocolError",
     "KVCRMsgFramingError",
+    "KVCRPoolHold",
     "KVCRServiceError",
     "KVCRSocketError",
 ]

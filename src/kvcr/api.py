@@ -8,6 +8,7 @@ memory is registered) and ``close``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import threading
@@ -25,9 +26,11 @@ from kvcr.config import (
     KVCRConfig,
     KVCRGuardConfig,
     TelemetryStats,
+    validate_pools_against_layouts,
     validate_setup,
 )
 from kvcr.errors import KVCRServiceError
+from kvcr.guard.client import KVCRClient, KVCRPoolHold
 from kvcr.hints import HintBook, parse_router_hint
 from kvcr.logs import get_logger
 from kvcr.policy import HOOKS as POLICY_HOOKS
@@ -129,8 +132,15 @@ class KVCR:
         backend_configs: KVCRBackendConfigs,
         guard_config: KVCRGuardConfig | None = None,
     ) -> None:
-        self._setup(config, bindings, backend_configs, guard_config, self._nixl_factory)
-        self._start_thread()
+        self._hold: KVCRPoolHold | None = None
+        try:
+            self._setup(config, bindings, backend_configs, guard_config, self._nixl_factory)
+            self._start_thread()
+        except KVCRStartupError:
+            raise  # native work may still touch the pools: keep them mapped and held
+        except BaseException:
+            self._give_back_pools(activated=False)
+            raise
 
     # -- construction ----------------------------------------------------------------------
 
@@ -148,15 +158,12 @@ class KVCR:
             raise ValueError(
                 f"KVCR: bindings must be a KVCRBindings, got {type(bindings).__name__}"
             )
-        if guard_config is not None:
-            raise KVCRServiceError(
-                "KVCR: guard_config: pools owned by the guard service are not available in "
-                "this build yet; pass backend_configs.local_dram instead"
-            )
         if backend_configs.g3 is not None:
             raise ValueError(
                 "KVCRBackendConfigs: g3: the G3 file tier is not available in this build yet"
             )
+        if guard_config is not None:
+            backend_configs = self._claim_pools(config, bindings, backend_configs, guard_config)
         self._config = config
         self._bindings = bindings
         self._backend_configs = backend_configs
@@ -219,6 +226,47 @@ class KVCR:
         self._greeted: set[str] = set()
         self._close_lock = threading.Lock()
         self._thread: threading.Thread | None = None
+
+    def _claim_pools(
+        self,
+        config: KVCRConfig,
+        bindings: KVCRBindings,
+        backend_configs: KVCRBackendConfigs,
+        guard: KVCRGuardConfig,
+    ) -> KVCRBackendConfigs:
+        """Claim the pool group from the guard service, adopt its control listener, and
+        return the backend configs with the group's pools as local DRAM."""
+        channel = bindings.framework_control
+        if channel is None or not all(
+            callable(getattr(channel, m, None)) for m in ("adopt_listener", "control_bind_address")
+        ):
+            raise ValueError(
+                "KVCR: guard_config needs a framework_control that can adopt the pool group's "
+                "shared control listener (adopt_listener, control_bind_address), such as "
+                f"ZmqPeerControlChannel; got {type(channel).__name__}"
+            )
+        host, port = channel.control_bind_address()
+        self._hold = KVCRClient(guard.kvcr_service_socket_path).claim(
+            guard.guard_index,
+            config.pool_layouts,
+            guard.compatibility_digest,
+            (host, port),
+            g3=backend_configs.g3,
+            remote_fw_dram_backend=backend_configs.remote_fw_dram.backend,
+        )
+        self._hold.hand_listener_to(channel.adopt_listener)
+        validate_pools_against_layouts(config.pool_layouts, self._hold.local_dram)
+        return dataclasses.replace(backend_configs, local_dram=self._hold.local_dram)
+
+    def _give_back_pools(self, *, activated: bool) -> None:
+        hold, self._hold = self._hold, None
+        if hold is None:
+            return
+        try:
+            hold.release(activated=activated)
+        except KVCRServiceError as exc:
+            # The lease still ends when this process exits; nothing else can be done here.
+            get_logger("kvcr").error("guard_release_failed", error=str(exc))
 
     def _nixl_factory(self) -> Transport:
         from kvcr.transport.nixl import NixlTransport
@@ -481,6 +529,12 @@ class KVCR:
             self._closed = True
             self._inbox.put(("close",))
             self._thread.join()
+            if self._runtime.leaked:
+                # A transfer may still touch the pools: keep them mapped and the lease held
+                # (it ends when the process exits).
+                self._log.error("pools_kept", reason="transfers in flight at close")
+            else:
+                self._give_back_pools(activated=True)
             self._log.info("closed")
 
     def __enter__(self) -> KVCR:

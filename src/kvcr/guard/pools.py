@@ -336,3 +336,28 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def share_group_file(source_fd: int, layout: GroupLayout) -> GroupFile:
+    """Take a shared hold on a group file received from the service.
+
+    The file is reopened through ``/proc/self/fd`` so that the hold has an open file
+    description of its own: the lock then belongs to this process alone (a ``flock`` on the
+    received descriptor would be the service's own lock). ``source_fd`` stays the caller's.
+    Raises ValueError if the file size differs from ``layout.total_size``.
+    """
+    path = Path(os.readlink(f"/proc/self/fd/{source_fd}"))
+    fd = os.open(f"/proc/self/fd/{source_fd}", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        actual = os.fstat(fd).st_size
+        if actual != layout.total_size:
+            raise ValueError(
+                f"group file {path} is {actual} bytes, layout expects {layout.total_size}"
+            )
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except BaseException:
+        os.close(fd)
+        raise
+    group = GroupFile(path=path, layout=layout, fd=fd)
+    _live_files.add(group)
+    return group

@@ -65,6 +65,7 @@ REFUSAL_CODES = (
     "g3_mismatch",
     "backend_mismatch",
     "control_mismatch",
+    "control_unavailable",
     "bad_request",
 )
 GROUP_STATES = ("idle", "held", "serving", "handing_back")

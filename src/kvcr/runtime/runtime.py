@@ -125,6 +125,7 @@ class Runtime:
         self.ops: dict[int, Operation] = {}
         self._ops_nursery: trio.Nursery | None = None
         self.closed = trio.Event()
+        self.leaked = False  # set at close if memory stayed registered under a live transfer
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -177,6 +178,7 @@ class Runtime:
                 await pins.drain(self.config.operation_timeout_ms / 1000)
                 root.cancel_scope.cancel()
         finally:
+            self.leaked = leaked
             if leaked:
                 _LEAKED.append(transport)
                 self.log.error(

@@ -1,0 +1,204 @@
+"""``kvcr-guard``: run the guard service, or ask a running one for its status.
+
+    kvcr-guard --socket-path S --pool-dir D --guard-count N --pool-sizes-gb A,B \\
+               --compatibility-digest X [--log-level L]
+    kvcr-guard status --socket-path S [--json]
+
+Exit codes: 0 clean shutdown (SIGINT / SIGTERM) or status shown; 1 the service failed or
+could not start (the message says why); 2 bad flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from kvcr.errors import KVCRServiceError
+from kvcr.guard.client import KVCRClient
+from kvcr.guard.pools import parse_pool_sizes_gb
+from kvcr.guard.protocol import MAX_DIGEST, MAX_GROUPS, GroupStatus
+from kvcr.guard.service import GuardService, ServiceConfig, ServiceStartError
+from kvcr.logs import get_logger, parse_level
+
+# sun_path holds 108 bytes including the terminating NUL.
+MAX_SOCKET_PATH = 107
+
+
+class FlagError(ValueError):
+    """A flag is out of range; the message names it."""
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvcr-guard",
+        description="Own kvcr pool groups in shared memory and lend them to workers. "
+        "`kvcr-guard status --socket-path S` shows who holds what.",
+    )
+    p.add_argument("--socket-path", required=True, help="Unix socket workers claim on")
+    p.add_argument("--pool-dir", required=True, help="writable directory for the group files")
+    p.add_argument("--guard-count", required=True, type=int, help="number of pool groups (>= 1)")
+    p.add_argument(
+        "--pool-sizes-gb",
+        required=True,
+        help="comma-separated GiB per ordered pool of every group, e.g. 4,0.5",
+    )
+    p.add_argument(
+        "--compatibility-digest", required=True, help="exact string every claimant must present"
+    )
+    p.add_argument("--log-level", default=None, help="default: $KVCR_LOG_LEVEL or INFO")
+    p.add_argument(
+        "--idle-timeout-s",
+        type=float,
+        default=5.0,
+        help="close a connection that sends nothing for this long (default 5)",
+    )
+    return p
+
+
+def _status_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvcr-guard status", description="Show the pool groups.")
+    p.add_argument("--socket-path", required=True)
+    p.add_argument("--json", action="store_true", help="one JSON document instead of a table")
+    p.add_argument("--timeout-s", type=float, default=5.0)
+    return p
+
+
+def service_config(args: argparse.Namespace) -> ServiceConfig:
+    """Check every flag of the serve command; FlagError names the bad one."""
+    if not 1 <= args.guard_count <= MAX_GROUPS:
+        raise FlagError(f"--guard-count must be in 1..{MAX_GROUPS}, got {args.guard_count}")
+    try:
+        sizes = parse_pool_sizes_gb(args.pool_sizes_gb)
+    except ValueError as exc:
+        raise FlagError(str(exc)) from None
+    digest = args.compatibility_digest
+    if not digest or len(digest) > MAX_DIGEST:
+        raise FlagError(f"--compatibility-digest must be 1..{MAX_DIGEST} characters")
+    pool_dir = Path(args.pool_dir)
+    if not pool_dir.is_dir():
+        raise FlagError(f"--pool-dir {pool_dir}: not an existing directory")
+    if not os.access(pool_dir, os.W_OK | os.X_OK):
+        raise FlagError(f"--pool-dir {pool_dir}: not writable")
+    socket_path = Path(args.socket_path)
+    if len(os.fsencode(socket_path)) > MAX_SOCKET_PATH:
+        raise FlagError(f"--socket-path {socket_path}: longer than {MAX_SOCKET_PATH} bytes")
+    if not socket_path.parent.is_dir():
+        raise FlagError(f"--socket-path {socket_path}: directory {socket_path.parent} is missing")
+    if not (math.isfinite(args.idle_timeout_s) and args.idle_timeout_s > 0):
+        raise FlagError(f"--idle-timeout-s must be a positive number, got {args.idle_timeout_s}")
+    return ServiceConfig(
+        socket_path=socket_path,
+        pool_dir=pool_dir,
+        guard_count=args.guard_count,
+        pool_sizes=sizes,
+        compatibility_digest=digest,
+        idle_timeout_s=args.idle_timeout_s,
+    )
+
+
+def _setup_logging(level_name: str | None) -> None:
+    level = parse_level(level_name or os.environ.get("KVCR_LOG_LEVEL") or "INFO")
+    logger = logging.getLogger("kvcr")
+    logger.setLevel(level)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    logger.handlers[:] = [handler]
+    logger.propagate = False
+
+
+async def _run(service: GuardService, log: Any) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(service.serve)
+
+            async def stop_on_signal() -> None:
+                async for signum in signals:
+                    log.info("signal_received", signal=signal.Signals(signum).name)
+                    nursery.cancel_scope.cancel()
+                    return
+
+            nursery.start_soon(stop_on_signal)
+
+
+def serve(argv: list[str]) -> int:
+    parser = _serve_parser()
+    args = parser.parse_args(argv)
+    try:
+        _setup_logging(args.log_level)
+        config = service_config(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    log = get_logger("kvcr.guard")
+    try:
+        trio.run(_run, GuardService(config, log), log)
+    except ServiceStartError as exc:
+        log.error("service_start_failed", error=str(exc))
+        print(f"kvcr-guard: {exc}", file=sys.stderr)
+        return 1
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt):
+            return 0
+        log.error("service_failed", error=repr(exc))
+        print(f"kvcr-guard: the service failed: {exc!r}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def status_table(groups: list[GroupStatus]) -> str:
+    rows = [("group", "state", "holder", "control port", "layouts")]
+    for g in groups:
+        rows.append(
+            (
+                str(g.index),
+                g.state,
+                "-" if g.holder_pid is None else str(g.holder_pid),
+                "-" if g.control_port is None else str(g.control_port),
+                ", ".join(f"{name or '<default>'}:{size}" for name, size in g.layouts) or "-",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows
+    )
+
+
+def status(argv: list[str]) -> int:
+    args = _status_parser().parse_args(argv)
+    client = KVCRClient(args.socket_path)
+    client.timeout_s = args.timeout_s
+    try:
+        groups = client.status()
+    except KVCRServiceError as exc:
+        print(f"kvcr-guard status: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        doc = [
+            {
+                "group": g.index,
+                "state": g.state,
+                "holder_pid": g.holder_pid,
+                "control_port": g.control_port,
+                "layouts": [list(x) for x in g.layouts],
+            }
+            for g in groups
+        ]
+        print(json.dumps({"socket_path": args.socket_path, "groups": doc}))
+    else:
+        print(status_table(groups))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["status"]:
+        return status(argv[1:])
+    return serve(argv)

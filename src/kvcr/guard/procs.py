@@ -1,0 +1,103 @@
+"""Who is on the other end of a Unix socket, and a handle that says when it exits.
+
+A claim is fenced by the claimant's *pidfd*: a descriptor that refers to one process (never
+to a later process that reuses its pid) and becomes readable when that process exits. The
+service takes it from the connection itself with ``SO_PEERPIDFD`` (Linux 6.5+), else from
+the pidfd the claimant attached to its request, which it checks against the connection's
+``SO_PEERCRED`` pid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import socket
+import struct
+
+import attrs
+
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5+; Python 3.11 lacks the name
+
+
+@attrs.frozen
+class PeerCred:
+    pid: int
+    uid: int
+    gid: int
+
+
+def peer_cred(sock: socket.socket) -> PeerCred:
+    """The credentials of the process that connected ``sock`` (at connect time)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return PeerCred(pid, uid, gid)
+
+
+def peer_pidfd(sock: socket.socket) -> int | None:
+    """A pidfd for the connecting process from the kernel, or None where it has none."""
+    try:
+        return sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+    except OSError:
+        return None
+
+
+def pidfd_pid(fd: int) -> int | None:
+    """The pid a pidfd refers to; None if ``fd`` is not a pidfd or its process is gone."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}", encoding="ascii") as info:
+            for line in info:
+                if line.startswith("Pid:"):
+                    pid = int(line.split()[1])
+                    return pid if pid > 0 else None
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def has_exited(pidfd: int) -> bool:
+    """True once the process behind ``pidfd`` has exited (the pidfd is readable)."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+def close_quietly(*fds: int | None) -> None:
+    for fd in fds:
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def claimant_pidfd(sock: socket.socket, attached: list[int]) -> tuple[int, PeerCred]:
+    """The pidfd that fences a claim from ``sock``, and the peer's credentials.
+
+    ``attached`` are the descriptors that came with the request (at most the claimant's
+    pidfd); this function owns them and closes the ones it does not return. Raises
+    ValueError naming the problem if no trustworthy, live pidfd can be had.
+    """
+    cred = peer_cred(sock)
+    try:
+        kernel = peer_pidfd(sock)
+        if kernel is not None:
+            close_quietly(*attached)
+            attached = []
+            fd = kernel
+        elif len(attached) == 1:
+            fd = attached.pop()
+            if pidfd_pid(fd) != cred.pid:
+                close_quietly(fd)
+                raise ValueError(
+                    f"the attached descriptor is not a pidfd of the connecting process {cred.pid}"
+                )
+        else:
+            raise ValueError(
+                "the claim carries no pidfd and the kernel offers no SO_PEERPIDFD; "
+                "attach os.pidfd_open(os.getpid())"
+            )
+        if has_exited(fd):
+            close_quietly(fd)
+            raise ValueError(f"the claimant process {cred.pid} has already exited")
+        return fd, cred
+    finally:
+        close_quietly(*attached)

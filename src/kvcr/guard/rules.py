@@ -1,0 +1,218 @@
+"""The guard service's claim rules and group states (pure: no sockets, files or clocks).
+
+Theory of operation. The service owns ``count`` pool groups. A group is lent to one worker
+at a time under a *lease*: a number, never reused, plus the pid of the holder. The first
+granted claim fixes the group's *terms* (pool layout, G3 description, remote backend and
+control address) for the group's life, because the pools' contents and the control endpoint
+outlive any one worker; every later claim must present the same terms. The lease ends when
+the holder releases it or when its process exits (the service learns that from the holder's
+pidfd; see :mod:`kvcr.guard.service`).
+
+Every legal move of a group is in :data:`TRANSITIONS`; anything else is a bug and raises
+:class:`IllegalTransition`. A refused claim changes nothing.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from kvcr.guard.protocol import ClaimRequest, G3Description, GroupStatus
+
+# state -> {event: next state}
+TRANSITIONS: dict[str, dict[str, str]] = {
+    "idle": {"claim": "held"},
+    "held": {"release": "idle", "holder_exit": "idle"},
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A group was asked to make a move that TRANSITIONS does not allow."""
+
+
+@attrs.frozen
+class Refusal:
+    """Why a claim (or a release) was refused: a protocol code and a message for humans."""
+
+    code: str
+    message: str
+
+
+@attrs.frozen
+class Terms:
+    """What the group's first granted claim fixed."""
+
+    layouts: tuple[tuple[str, int], ...]
+    g3: G3Description | None
+    backend: str
+    control: tuple[str, int]  # as requested; port 0 = "any", then the bound port counts
+
+
+@attrs.frozen
+class Lease:
+    number: int
+    pid: int
+
+
+@attrs.define
+class Group:
+    index: int
+    pool_sizes: tuple[int, ...]
+    state: str = "idle"
+    terms: Terms | None = None
+    control_port: int | None = None  # the bound port of the group's listener, once bound
+    lease: Lease | None = None
+
+    def move(self, event: str) -> None:
+        try:
+            self.state = TRANSITIONS[self.state][event]
+        except KeyError:
+            raise IllegalTransition(
+                f"guard group {self.index}: can't handle event {event!r} in state {self.state!r}"
+            ) from None
+
+
+def _same_control(terms: Terms, bound_port: int | None, host: str, port: int) -> bool:
+    if host != terms.control[0]:
+        return False
+    return port in (terms.control[1], bound_port) or (port == 0 and terms.control[1] == 0)
+
+
+class Groups:
+    """All pool groups of one service and the rules that lend them."""
+
+    def __init__(self, count: int, pool_sizes: list[int], digest: str) -> None:
+        if count < 1:
+            raise ValueError(f"guard count must be >= 1, got {count}")
+        self.digest = digest
+        self.groups = [Group(index=i, pool_sizes=tuple(pool_sizes)) for i in range(count)]
+        self._next_lease = 1
+
+    def __getitem__(self, index: int) -> Group:
+        return self.groups[index]
+
+    def check_claim(self, request: ClaimRequest, peer_pid: int) -> Refusal | None:
+        """The reason to refuse ``request`` from process ``peer_pid``, or None to grant it."""
+        what = f"claim of group {request.guard_index}"
+        if request.pid != peer_pid:
+            return Refusal(
+                "bad_request",
+                f"{what}: request says pid {request.pid} but the connection is pid {peer_pid}",
+            )
+        if request.compatibility_digest != self.digest:
+            return Refusal(
+                "digest_mismatch",
+                f"{what}: compatibility digest {request.compatibility_digest!r} does not match "
+                f"the service's {self.digest!r}",
+            )
+        if not 0 <= request.guard_index < len(self.groups):
+            return Refusal(
+                "index_out_of_range",
+                f"{what}: the service has {len(self.groups)} group(s), "
+                f"indices 0..{len(self.groups) - 1}",
+            )
+        group = self.groups[request.guard_index]
+        if group.state != "idle":
+            holder = f" by pid {group.lease.pid}" if group.lease else ""
+            return Refusal(
+                "held",
+                f"{what}: group is {group.state}{holder}; it is free again when the holder "
+                "releases it or exits",
+            )
+        return self._check_layout(what, group, request) or self._check_terms(what, group, request)
+
+    def _check_layout(self, what: str, group: Group, request: ClaimRequest) -> Refusal | None:
+        sizes = group.pool_sizes
+        if len(request.pool_layouts) != len(sizes):
+            return Refusal(
+                "layout_mismatch",
+                f"{what}: {len(request.pool_layouts)} pool layout(s) given, the group has "
+                f"{len(sizes)} pool(s) of {list(sizes)} bytes",
+            )
+        for (name, block), size in zip(request.pool_layouts, sizes):
+            if block > size:
+                return Refusal(
+                    "layout_mismatch",
+                    f"{what}: pool {name!r} block size {block} exceeds its pool of {size} bytes",
+                )
+        return None
+
+    def _check_terms(self, what: str, group: Group, request: ClaimRequest) -> Refusal | None:
+        terms = group.terms
+        if terms is None:
+            return None
+        layouts = tuple(request.pool_layouts)
+        if layouts != terms.layouts:
+            return Refusal(
+                "layout_mismatch",
+                f"{what}: pool layouts {list(layouts)} differ from the group's "
+                f"{list(terms.layouts)}",
+            )
+        if request.g3 != terms.g3:
+            return Refusal(
+                "g3_mismatch", f"{what}: G3 configuration {request.g3} differs from {terms.g3}"
+            )
+        if request.remote_fw_dram_backend != terms.backend:
+            return Refusal(
+                "backend_mismatch",
+                f"{what}: remote backend {request.remote_fw_dram_backend!r} differs from the "
+                f"group's {terms.backend!r}",
+            )
+        host, port = request.control_host, request.control_port
+        if not _same_control(terms, group.control_port, host, port):
+            bound = f"{terms.control[0]}:{group.control_port}"
+            return Refusal(
+                "control_mismatch",
+                f"{what}: control address {host}:{port} differs from the group's endpoint {bound}",
+            )
+        return None
+
+    def grant(self, request: ClaimRequest, control_port: int) -> Lease:
+        """Lend the group (check_claim returned None); ``control_port`` is its bound listener."""
+        group = self.groups[request.guard_index]
+        group.move("claim")
+        if group.terms is None:
+            group.terms = Terms(
+                layouts=tuple(request.pool_layouts),
+                g3=request.g3,
+                backend=request.remote_fw_dram_backend,
+                control=(request.control_host, request.control_port),
+            )
+        group.control_port = control_port
+        group.lease = Lease(self._next_lease, request.pid)
+        self._next_lease += 1
+        return group.lease
+
+    def check_release(self, index: int, lease: int, peer_pid: int) -> Refusal | None:
+        what = f"release of group {index} lease {lease}"
+        if not 0 <= index < len(self.groups):
+            return Refusal("index_out_of_range", f"{what}: no such group")
+        current = self.groups[index].lease
+        if current is None or current.number != lease:
+            return Refusal("bad_request", f"{what}: not the group's current lease")
+        if current.pid != peer_pid:
+            return Refusal(
+                "bad_request", f"{what}: held by pid {current.pid}, not by pid {peer_pid}"
+            )
+        return None
+
+    def end_lease(self, index: int, lease: int, event: str) -> bool:
+        """End ``lease`` by ``event`` ("release" or "holder_exit"); False if it already ended
+        (a release and the holder's exit can race: the first one wins)."""
+        group = self.groups[index]
+        if group.lease is None or group.lease.number != lease:
+            return False
+        group.move(event)
+        group.lease = None
+        return True
+
+    def status(self) -> list[GroupStatus]:
+        return [
+            GroupStatus(
+                index=g.index,
+                state=g.state,
+                holder_pid=g.lease.pid if g.lease else None,
+                layouts=list(g.terms.layouts) if g.terms else [],
+                control_port=g.control_port,
+            )
+            for g in self.groups
+        ]
