@@ -1,7 +1,8 @@
 """Child program for two-process peer tests: one kvcr worker with a real NIXL agent and a
 real ZMQ control channel, driven by its parent over a socketpair.
 
-Run as ``python worker_proc.py FD NAME PORT BLOCK POOL_BLOCKS REGION_BLOCKS``. The parent
+Run as ``python worker_proc.py FD NAME PORT BLOCK POOL_BLOCKS REGION_BLOCKS [SOCKET INDEX
+DIGEST]``; with the last three, the worker runs over a guard service's pool group. The parent
 sends pickled ``(command, *args)`` tuples and gets one reply each (an exception comes back
 as ``("error", text)``). The worker's engine serves pins from its own region
 (``engine_has``) and can hold pin answers back, like a busy engine.
@@ -22,7 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from engine_sim import EngineSim, Recorder
 from kvcr import KVCR
-from kvcr.config import KVCRBackendConfigs
+from kvcr.config import KVCRBackendConfigs, KVCRGuardConfig
 from kvcr.control_channels import ZmqPeerControlChannel
 from peer_world import EnginePins, IntKeys, key
 
@@ -50,11 +51,14 @@ def main() -> None:
         framework_control=channel,
         key_adapter=IntKeys(),
     )
+    guard = None
+    if len(sys.argv) > 7:
+        guard = KVCRGuardConfig(sys.argv[7], int(sys.argv[8]), sys.argv[9])
     backends = KVCRBackendConfigs(
         framework_regions=engine.backend_configs.framework_regions,
-        local_dram=engine.backend_configs.local_dram,
+        local_dram=None if guard else engine.backend_configs.local_dram,
     )
-    kv = KVCR(engine.config, bindings, backends)
+    kv = KVCR(engine.config, bindings, backends, guard)
 
     def deposit(items: list[tuple[int, int, int]]) -> dict[int, tuple[str, list[int]]]:
         for _k, element, seed in items:

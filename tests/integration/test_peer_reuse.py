@@ -9,77 +9,34 @@ or ``fetch`` pulls them.
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
-import sys
 import time
 import zlib
 from collections.abc import Iterator
-from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+import procs
 from engine_sim import EngineSim, Recorder, router_hint
 from kvcr import KVCR
 from kvcr.config import KVCRBackendConfigs, RemoteFWDramOptions
 from kvcr.control_channels import ZmqPeerControlChannel
 from kvcr.types import CacheTier, QueryStatus
 from peer_world import EnginePins, IntKeys, key
+from procs import free_port
 
 pytestmark = pytest.mark.integration
 
 BLOCK = 64 * 1024
-WORKER = Path(__file__).resolve().parent.parent / "worker_proc.py"
 SIZES = (str(BLOCK), "64", "64")  # block bytes, pool blocks, engine region blocks
 REMOTE = (QueryStatus.FETCHABLE, CacheTier.REMOTE_G2)
 HIT = (QueryStatus.HIT, CacheTier.LOCAL_G2)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-class SourceWorker:
-    """A kvcr worker in a child process."""
-
+class SourceWorker(procs.SourceWorker):
     def __init__(self, name: str, port: int | None = None) -> None:
-        ours, theirs = socket.socketpair()
-        self.port = port or free_port()
-        self.proc = subprocess.Popen(
-            [sys.executable, str(WORKER), str(theirs.fileno()), name, str(self.port), *SIZES],
-            pass_fds=[theirs.fileno()],
-        )
-        theirs.close()
-        self.conn = Connection(os.dup(ours.fileno()))
-        ours.close()
-        self.endpoint = self("endpoint", timeout=60)
-
-    def __call__(self, *command: object, timeout: float = 20) -> Any:
-        self.conn.send(command)
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"worker did not answer {command[0]!r} in {timeout} s")
-        status, value = self.conn.recv()
-        if status == "error":
-            raise RuntimeError(value)
-        return value
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self("stop", timeout=20)
-            except (EOFError, OSError, TimeoutError):
-                self.proc.kill()
-        self.proc.wait(20)
-        self.conn.close()
+        super().__init__(name, SIZES, port)
 
 
 class Destination:
@@ -262,5 +219,7 @@ def test_a_restarted_source_at_the_same_endpoint_is_served_again(destination) ->
 
 
 def test_no_stray_processes() -> None:
-    out = subprocess.run(["pgrep", "-f", str(WORKER)], check=False, capture_output=True, text=True)
+    out = subprocess.run(
+        ["pgrep", "-f", str(procs.WORKER)], check=False, capture_output=True, text=True
+    )
     assert out.stdout.strip() == ""

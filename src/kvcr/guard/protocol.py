@@ -141,12 +141,13 @@ def _list_of(item: Any, lo: int, hi: int) -> Any:
 
 
 def _pool_entry(width: int) -> Any:
-    """(name, size) or (name, offset, size): name 1..256 chars without ':', size > 0."""
+    """(name, size) or (name, offset, size): name 0..256 chars without ':' (the empty name is
+    the single unnamed pool), size > 0."""
 
     def check(name: str, value: Any) -> None:
         if type(value) is not tuple or len(value) != width:
             raise TypeError(f"{name}: expected a {width}-tuple, got {reprlib.repr(value)}")
-        _check_str(f"{name}[0]", value[0], 1, MAX_NAME, forbid=":")
+        _check_str(f"{name}[0]", value[0], 0, MAX_NAME, forbid=":")
         for j, x in enumerate(value[1:], start=1):
             if type(x) is not int:
                 raise TypeError(f"{name}[{j}]: expected int, got {type(x).__name__}")

@@ -1,0 +1,157 @@
+"""Child processes for integration tests: kvcr workers (``worker_proc.py``) and the guard
+service (``python -m kvcr.kvcr_service``), each started for real and stopped or SIGKILLed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from kvcr import KVCRClient
+from kvcr.errors import KVCRSocketError
+
+WORKER = Path(__file__).resolve().parent / "worker_proc.py"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_until(condition: Callable[[], Any], timeout: float = 20, what: str = "condition") -> Any:
+    """Poll ``condition`` until it returns something truthy; an event in another process
+    has no other way to reach us. The timeout only bounds a broken run."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not happen within {timeout} s")
+        time.sleep(0.01)
+
+
+class SourceWorker:
+    """A kvcr worker in a child process, driven over a socketpair (see worker_proc.py).
+
+    ``sizes`` are (block bytes, pool blocks, engine region blocks); ``guard`` is
+    (socket path, group index, digest) to run over a guard service's pool group.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        sizes: tuple[int, int, int],
+        port: int | None = None,
+        guard: tuple[str, int, str] | None = None,
+    ) -> None:
+        ours, theirs = socket.socketpair()
+        self.port = port or free_port()
+        extra = [str(x) for x in guard] if guard else []
+        self.proc = subprocess.Popen(
+            [sys.executable, str(WORKER), str(theirs.fileno()), name, str(self.port)]
+            + [str(x) for x in sizes]
+            + extra,
+            pass_fds=[theirs.fileno()],
+        )
+        theirs.close()
+        self.conn = Connection(os.dup(ours.fileno()))
+        ours.close()
+        self.endpoint = self("endpoint", timeout=60)
+
+    def __call__(self, *command: object, timeout: float = 20) -> Any:
+        self.conn.send(command)
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"worker did not answer {command[0]!r} in {timeout} s")
+        status, value = self.conn.recv()
+        if status == "error":
+            raise RuntimeError(value)
+        return value
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self("stop", timeout=20)
+            except (EOFError, OSError, TimeoutError):
+                self.proc.kill()
+        self.proc.wait(20)
+        self.conn.close()
+
+
+class GuardProcess:
+    """``python -m kvcr.kvcr_service`` in a child process, with its stderr in a file."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        guard_count: int = 2,
+        pool_sizes_gb: str = "0.0009765625",  # 1 MiB
+        digest: str = "digest-1",
+        extra: tuple[str, ...] = ("--idle-timeout-s", "0.5"),
+        wait: bool = True,
+    ) -> None:
+        self.directory = Path(directory)
+        self.socket_path = str(self.directory / "guard.sock")
+        self.pool_dir = self.directory / "pools"
+        self.pool_dir.mkdir(exist_ok=True)
+        self.digest = digest
+        self.log_path = self.directory / f"guard-{time.monotonic_ns()}.log"
+        self.args = [
+            "--socket-path",
+            self.socket_path,
+            "--pool-dir",
+            str(self.pool_dir),
+            "--guard-count",
+            str(guard_count),
+            "--pool-sizes-gb",
+            pool_sizes_gb,
+            "--compatibility-digest",
+            digest,
+            "--log-level",
+            "DEBUG",
+            *extra,
+        ]
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvcr.kvcr_service", *self.args], stderr=log
+            )
+        self.client = KVCRClient(self.socket_path)
+        self.client.timeout_s = 5.0
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        def answers() -> bool:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"guard service exited {self.proc.returncode}: {self.log()}")
+            try:
+                self.client.status()
+            except KVCRSocketError:
+                return False
+            return True
+
+        wait_until(answers, 30, "guard service start")
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def states(self) -> list[tuple[str, int | None]]:
+        return [(g.state, g.holder_pid) for g in self.client.status()]
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(20)
