@@ -79,6 +79,7 @@ class RemotePull:
     written: list[int] = attrs.field(factory=list)
     reason: str = ""
     abandoned: bool = False
+    restarted: bool = False  # ended because a new incarnation answered at the endpoint
     on_over: list[Callable[[], None]] = attrs.field(factory=list)
     due: float = 0.0  # when its data should have landed (trio time)
 
@@ -311,6 +312,7 @@ class Peers:
         if link.incarnation:
             self.log.info("peer_restarted", endpoint=link.endpoint, pulls=len(link.pulls))
             for pull in list(link.pulls.values()):
+                pull.restarted = True
                 self._finish_pull(pull, [], "the source restarted", over=True)
             link.ready = trio.Event()
             link.agent = None

@@ -65,19 +65,25 @@ class Remote:
         # Anything but keys written (nothing, an error, the deadline while setting up or
         # waiting) is a failed remote operation: it marks the request's hint failed.
         op.remote_failed = True
-        try:
-            pull = await self.peers.pull(op, endpoint, keys, dst)
-        except TransportError as exc:
-            op.failure = str(exc)
-            return None
-        sent.append(pull)
-        if on_over is not None:
-            pull.on_over.append(on_over)
-        try:
-            await pull.answered.wait()
-        finally:
-            if not pull.over.is_set():
-                self.peers.abandon(op, pull)
+        for attempt in (1, 2):
+            try:
+                pull = await self.peers.pull(op, endpoint, keys, dst)
+            except TransportError as exc:
+                op.failure = str(exc)
+                return None
+            sent.append(pull)
+            if on_over is not None:
+                pull.on_over.append(on_over)
+            try:
+                await pull.answered.wait()
+            finally:
+                if not pull.over.is_set():
+                    self.peers.abandon(op, pull)
+            # A pull that a restarted source's new incarnation turned away was never acted
+            # on, and the old incarnation is gone: asking the new one again is safe (once).
+            if not (pull.restarted and pull.over.is_set() and attempt == 1):
+                break
+            self.log.info("pull_resent", op=op.handle, reason="the source restarted")
         if pull.written:
             op.remote_failed = False
         else:

@@ -1,0 +1,156 @@
+"""KVCR workers over a guard service's pool groups: pools in the service's shared memory,
+control endpoints bound by the service and adopted by the workers, blocks moving peer to
+peer through those endpoints (real service, real NIXL, real ZMQ)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from engine_sim import EngineSim, Recorder, router_hint
+from kvcr import KVCR
+from kvcr.config import KVCRBackendConfigs, KVCRGuardConfig
+from kvcr.control_channels import ZmqPeerControlChannel
+from peer_world import EnginePins, IntKeys, key
+from procs import GuardProcess, SourceWorker, free_port, wait_until
+
+pytestmark = pytest.mark.integration
+
+BLOCK = 64 * 1024
+SIZES = (BLOCK, 16, 32)  # block bytes, (unused) own pool blocks, engine region blocks
+
+
+class SendOnly:
+    """A control channel that cannot adopt a shared listener."""
+
+    def send(self, endpoint: str, message: bytes) -> bool:
+        return False
+
+    def recv(self) -> list[bytes]:
+        return []
+
+
+class GuardedWorker:
+    """A kvcr worker in this process whose pools are group ``index`` of the service."""
+
+    def __init__(self, guard: GuardProcess, index: int, channel: object = None) -> None:
+        self.engine = EngineSim(
+            name=f"guarded-{index}-{os.getpid()}",
+            layouts=[("", BLOCK)],
+            pool_blocks=1,
+            region_blocks=32,
+            operation_timeout_ms=2000,
+            abandon_timeout_ms=4000,
+        )
+        self.channel = channel or ZmqPeerControlChannel("127.0.0.1", free_port(), "127.0.0.1")
+        pins = EnginePins(self.engine)
+        self.kv = KVCR(
+            self.engine.config,
+            Recorder().bindings(
+                framework_control=self.channel,
+                key_adapter=IntKeys(),
+                request_pin=pins.request_pin,
+                poll_pin_results=pins.poll_pin_results,
+                release_pin=pins.release_pin,
+            ),
+            KVCRBackendConfigs(framework_regions=self.engine.backend_configs.framework_regions),
+            KVCRGuardConfig(guard.socket_path, index, guard.digest),
+        )
+
+    def pull(self, source: SourceWorker, pairs: list[tuple[int, int]], request: str) -> dict:
+        self.kv.submit_hint(router_hint(source.endpoint, [k for k, _ in pairs]), request)
+        handle = self.kv.deliver({key(k): self.engine.refs(e) for k, e in pairs}, request)
+        return self.engine.statuses(self.engine.wait(self.kv, handle, len(pairs)))
+
+    def close(self) -> None:
+        self.kv.close()
+        self.channel.close()
+
+
+@pytest.fixture
+def guard(tmp_path: Path) -> Iterator[GuardProcess]:
+    service = GuardProcess(tmp_path, pool_sizes_gb="0.0078125")  # 8 MiB: 128 blocks
+    yield service
+    assert service.stop() == 0, service.log()
+
+
+def test_two_workers_on_two_groups_move_blocks_through_the_group_endpoints(guard) -> None:
+    port = free_port()
+    source = SourceWorker("a", SIZES, port, guard=(guard.socket_path, 0, guard.digest))
+    destination = GuardedWorker(guard, 1)
+    try:
+        groups = guard.client.status()
+        assert [(g.state, g.holder_pid) for g in groups] == [
+            ("held", source.proc.pid),
+            ("held", os.getpid()),
+        ]
+        assert source.endpoint == f"tcp://127.0.0.1:{groups[0].control_port}"
+        assert groups[0].control_port == port  # the service bound what the worker asked for
+
+        sums = source("deposit", [(k, k, 500 + k) for k in range(6)])
+        assert {status for status, _ in sums.values()} == {"SUCCESS"}
+        result = destination.pull(source, [(k, 10 + k) for k in range(6)], "req-1")
+
+        assert set(result.values()) == {"SUCCESS"}
+        for k in range(6):
+            assert destination.engine.checksum(10 + k) == sums[k][1]
+    finally:
+        destination.close()
+        source.stop()
+    # Each close released its lease.
+    assert guard.states() == [("idle", None), ("idle", None)]
+
+
+def test_the_group_endpoint_outlives_a_sigkilled_worker(guard) -> None:
+    port = free_port()
+    first = SourceWorker("a1", SIZES, port, guard=(guard.socket_path, 0, guard.digest))
+    destination = GuardedWorker(guard, 1)
+    try:
+        first("deposit", [(1, 1, 11)])
+        assert destination.pull(first, [(1, 1)], "req-1") == {key(1): "SUCCESS"}
+        first.kill()
+        wait_until(lambda: guard.states()[0] == ("idle", None), what="lease freed")
+
+        second = SourceWorker("a2", SIZES, port, guard=(guard.socket_path, 0, guard.digest))
+        try:
+            assert second.endpoint == first.endpoint
+            sums = second("deposit", [(2, 2, 22)])
+            assert destination.pull(second, [(2, 3)], "req-2") == {key(2): "SUCCESS"}
+            assert destination.engine.checksum(3) == sums[2][1]
+        finally:
+            second.stop()
+    finally:
+        destination.close()
+
+
+def test_a_control_channel_that_cannot_share_its_listener_is_refused_at_startup(guard) -> None:
+    with pytest.raises(ValueError, match="can adopt the pool group's shared control listener"):
+        GuardedWorker(guard, 0, channel=SendOnly())
+    assert guard.states()[0] == ("idle", None)  # nothing was claimed
+
+
+def test_a_refused_claim_fails_construction_and_leaves_the_holder_alone(guard) -> None:
+    holder = GuardedWorker(guard, 0)
+    try:
+        with pytest.raises(Exception, match=r"\(held\)"):
+            GuardedWorker(guard, 0)
+        assert guard.states()[0] == ("held", os.getpid())
+    finally:
+        holder.close()
+    assert guard.states()[0] == ("idle", None)
+
+
+class RefusesToAdopt(ZmqPeerControlChannel):
+    def adopt_listener(self, listener_fd: int) -> None:
+        raise RuntimeError("this channel refuses the listener")
+
+
+def test_a_startup_failure_after_the_claim_gives_the_group_back(guard) -> None:
+    channel = RefusesToAdopt("127.0.0.1", free_port(), "127.0.0.1")
+    with pytest.raises(RuntimeError, match="refuses the listener"):
+        GuardedWorker(guard, 0, channel=channel)
+    assert guard.states()[0] == ("idle", None)
+    assert "lease_ended group=0 lease=1 reason='released'" in guard.log()
