@@ -1,0 +1,154 @@
+"""The guard's claim rules and group states, without sockets or processes."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+
+from kvcr.guard.protocol import ClaimRequest, G3Description
+from kvcr.guard.rules import TRANSITIONS, Group, Groups, IllegalTransition
+
+PID = 4242
+
+
+def request(**changes) -> ClaimRequest:
+    fields = {
+        "guard_index": 0,
+        "pool_layouts": [("k", 4096), ("v", 4096)],
+        "compatibility_digest": "d1",
+        "control_host": "127.0.0.1",
+        "control_port": 0,
+        "g3": None,
+        "remote_fw_dram_backend": "UCX",
+        "pid": PID,
+    }
+    fields.update(changes)
+    return ClaimRequest(**fields)
+
+
+@pytest.fixture
+def groups() -> Groups:
+    return Groups(2, [1 << 20, 1 << 20], "d1")
+
+
+def test_every_legal_move_is_in_the_table_and_anything_else_raises() -> None:
+    assert TRANSITIONS == {
+        "idle": {"claim": "held"},
+        "held": {"release": "idle", "holder_exit": "idle"},
+    }
+    events = {e for moves in TRANSITIONS.values() for e in moves}
+    for state, moves in TRANSITIONS.items():
+        for event in events:
+            group = Group(index=0, pool_sizes=(1,), state=state)
+            if event in moves:
+                group.move(event)
+                assert group.state == moves[event]
+            else:
+                with pytest.raises(IllegalTransition, match=f"can't handle event '{event}'"):
+                    group.move(event)
+
+
+def test_a_grant_holds_the_group_under_a_fresh_lease(groups) -> None:
+    assert groups.check_claim(request(), PID) is None
+    first = groups.grant(request(), 5000)
+    assert groups[0].state == "held" and first.pid == PID
+    assert groups.end_lease(0, first.number, "release")
+    second = groups.grant(request(), 5000)
+    assert second.number > first.number  # lease numbers are never reused
+
+
+@pytest.mark.parametrize(
+    ("changes", "peer", "code", "text"),
+    [
+        ({"pid": PID + 1}, PID, "bad_request", "the connection is pid 4242"),
+        ({"compatibility_digest": "d2"}, PID, "digest_mismatch", "'d2' does not match"),
+        ({"guard_index": 2}, PID, "index_out_of_range", "indices 0..1"),
+        ({"pool_layouts": [("k", 4096)]}, PID, "layout_mismatch", "1 pool layout(s) given"),
+        (
+            {"pool_layouts": [("k", 4096), ("v", 2 << 20)]},
+            PID,
+            "layout_mismatch",
+            "'v' block size 2097152 exceeds",
+        ),
+    ],
+)
+def test_claims_that_break_a_rule_are_refused_with_a_reason(
+    groups, changes, peer, code, text
+) -> None:
+    refusal = groups.check_claim(request(**changes), peer)
+    assert refusal is not None and refusal.code == code and text in refusal.message
+
+
+def test_a_held_group_is_refused_naming_the_holder(groups) -> None:
+    groups.grant(request(), 5000)
+    refusal = groups.check_claim(request(pid=7), 7)
+    assert refusal.code == "held" and "held by pid 4242" in refusal.message
+
+
+G3 = G3Description(
+    paths=["/g3/a"], capacity_bytes_per_file=1 << 30, backend="POSIX", backend_options={}
+)
+
+
+@pytest.mark.parametrize(
+    ("changes", "code"),
+    [
+        ({"pool_layouts": [("k", 8192), ("v", 4096)]}, "layout_mismatch"),
+        ({"pool_layouts": [("v", 4096), ("k", 4096)]}, "layout_mismatch"),
+        ({"g3": G3}, "g3_mismatch"),
+        ({"remote_fw_dram_backend": "LIBFABRIC"}, "backend_mismatch"),
+        ({"control_host": "127.0.0.2"}, "control_mismatch"),
+        ({"control_port": 6000}, "control_mismatch"),
+    ],
+)
+def test_the_first_claim_fixes_the_terms_for_the_groups_life(groups, changes, code) -> None:
+    lease = groups.grant(request(), 5000)
+    groups.end_lease(0, lease.number, "holder_exit")
+
+    refusal = groups.check_claim(request(**changes), PID)
+
+    assert refusal is not None and refusal.code == code
+    assert groups[0].state == "idle"  # a refusal changes nothing
+
+
+def test_the_bound_port_or_the_first_requested_address_both_match(groups) -> None:
+    groups.end_lease(0, groups.grant(request(), 5000).number, "release")
+    assert groups.check_claim(request(control_port=5000), PID) is None
+    assert groups.check_claim(request(control_port=0), PID) is None
+
+
+def test_only_the_holder_releases_and_only_its_current_lease(groups) -> None:
+    lease = groups.grant(request(), 5000)
+    assert groups.check_release(0, lease.number, PID + 1).message.endswith(
+        "held by pid 4242, not by pid 4243"
+    )
+    assert "not the group's current lease" in groups.check_release(0, lease.number + 1, PID).message
+    assert groups.check_release(5, lease.number, PID).code == "index_out_of_range"
+    assert groups.check_release(0, lease.number, PID) is None
+
+
+def test_a_release_racing_the_holders_exit_ends_the_lease_once(groups) -> None:
+    lease = groups.grant(request(), 5000)
+    assert groups.end_lease(0, lease.number, "holder_exit") is True
+    assert groups.end_lease(0, lease.number, "release") is False
+    assert groups[0].state == "idle" and groups[0].lease is None
+
+
+def test_status_lists_every_group_with_its_holder_terms_and_endpoint(groups) -> None:
+    groups.grant(request(guard_index=1), 5001)
+    status = groups.status()
+    assert [attrs.asdict(s) for s in status] == [
+        {"index": 0, "state": "idle", "holder_pid": None, "layouts": [], "control_port": None},
+        {
+            "index": 1,
+            "state": "held",
+            "holder_pid": PID,
+            "layouts": [("k", 4096), ("v", 4096)],
+            "control_port": 5001,
+        },
+    ]
+
+
+def test_a_service_needs_at_least_one_group() -> None:
+    with pytest.raises(ValueError, match="guard count must be >= 1"):
+        Groups(0, [4096], "d")
