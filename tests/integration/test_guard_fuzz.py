@@ -19,6 +19,7 @@ from procs import GuardProcess
 
 pytestmark = pytest.mark.integration
 
+TEXT = st.characters(blacklist_categories=("Cs",))  # msgpack cannot encode lone surrogates
 CLAIMANT = Path(__file__).resolve().parent.parent / "claimant_proc.py"
 
 
@@ -48,7 +49,10 @@ def claims() -> st.SearchStrategy[wire.ClaimRequest]:
         guard_index=st.integers(0, 4095),
         pool_layouts=st.lists(
             st.tuples(
-                st.text(st.characters(blacklist_characters=":"), max_size=8),
+                st.text(
+                    st.characters(blacklist_characters=":", blacklist_categories=("Cs",)),
+                    max_size=8,
+                ),
                 st.integers(1, 1 << 40),
             ),
             min_size=1,
@@ -86,10 +90,12 @@ def mutated(frame: bytes, data: st.DataObject) -> bytes:
     body = msgpack.unpackb(frame[4:])
     if kind == "version":
         body["v"] = data.draw(
-            st.one_of(st.integers(-(1 << 63), (1 << 64) - 1), st.text(max_size=3), st.none())
+            st.one_of(st.integers(-(1 << 63), (1 << 64) - 1), st.text(TEXT, max_size=3), st.none())
         )
     else:
-        body[data.draw(st.text(max_size=4))] = data.draw(st.integers(-(1 << 63), (1 << 64) - 1))
+        body[data.draw(st.text(TEXT, max_size=4))] = data.draw(
+            st.integers(-(1 << 63), (1 << 64) - 1)
+        )
     raw = msgpack.packb(body)
     return len(raw).to_bytes(4, "big") + raw
 
