@@ -278,13 +278,14 @@ def test_status_of_a_missing_service_is_a_clear_error(tmp_path) -> None:
 # --- service lifecycle ------------------------------------------------------------------------
 
 
-def test_sigterm_shuts_down_cleanly_removing_pool_files_and_socket(tmp_path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_shuts_down_cleanly_removing_pool_files_and_socket(tmp_path, sig) -> None:
     service = GuardProcess(tmp_path)
     assert len(list(service.pool_dir.iterdir())) == 2
     assert oct(os.stat(service.socket_path).st_mode & 0o777) == "0o600"
     assert all(p.stat().st_mode & 0o777 == 0o600 for p in service.pool_dir.iterdir())
 
-    assert service.stop(signal.SIGTERM) == 0
+    assert service.stop(sig) == 0
     assert list(service.pool_dir.iterdir()) == []
     assert not os.path.exists(service.socket_path)
     assert "service_stopped" in service.log()
