@@ -23,6 +23,7 @@ import array
 import contextlib
 import errno
 import fcntl
+import math
 import os
 import socket
 import stat
@@ -68,7 +69,8 @@ class Guard:
         self.log = log.bind(group=index)
         self.lock = trio.Lock()  # one claim of this group at a time, across awaits
         self.listener: socket.socket | None = None
-        self._send, self._leases = trio.open_memory_channel[tuple[Lease, int]](64)
+        # Unbounded, yet short: a lease is queued per grant and taken at the Guard's next turn.
+        self._send, self._leases = trio.open_memory_channel[tuple[Lease, int]](math.inf)
         self._watch: tuple[int, trio.CancelScope] | None = None
 
     async def control_listener(self, host: str, port: int) -> socket.socket:
@@ -382,9 +384,7 @@ class GuardService:
     ) -> None:
         what = f"claim of group {request.guard_index}"
         if cred.uid not in (os.geteuid(), 0):
-            refusal = Refusal(
-                "bad_request", f"{what}: uid {cred.uid} may not claim from this service"
-            )
+            refusal = Refusal("bad_request", f"{what}: uid {cred.uid} may not claim here")
             await self._refuse(conn, log, refusal, fds)
             return
         try:
@@ -394,48 +394,45 @@ class GuardService:
             return
         try:
             refusal = self.groups.check_claim(request, cred.pid)
+            if refusal is None:
+                guard = self.guards[request.guard_index]
+                async with guard.lock:  # binding the listener awaits: one claim at a time
+                    refusal = self.groups.check_claim(request, cred.pid)
+                    if refusal is None:
+                        refusal = await self._lend(conn, log, guard, request, pidfd)
+                        if refusal is None:
+                            pidfd = -1  # the Guard owns it now
             if refusal is not None:
                 await self._refuse(conn, log, refusal, [])
-                return
-            guard = self.guards[request.guard_index]
-            async with guard.lock:
-                refusal = self.groups.check_claim(request, cred.pid)  # may have changed meanwhile
-                if refusal is None:
-                    try:
-                        listener = await guard.control_listener(
-                            request.control_host, request.control_port
-                        )
-                    except OSError as exc:
-                        address = f"{request.control_host}:{request.control_port}"
-                        refusal = Refusal(
-                            "control_unavailable",
-                            f"{what}: cannot bind control endpoint {address}: {exc}",
-                        )
-                if refusal is not None:
-                    await self._refuse(conn, log, refusal, [])
-                    return
-                port = listener.getsockname()[1]
-                lease = self.groups.grant(request, port)
-                try:
-                    await self._send(
-                        conn,
-                        self._granted(request, lease, port),
-                        (guard.file.fd, listener.fileno()),
-                    )
-                except BaseException:
-                    self.groups.end_lease(request.guard_index, lease.number, "release")
-                    raise
-                guard.watch(lease, pidfd)
-                pidfd = -1
-                log.info(
-                    "lease_granted",
-                    group=request.guard_index,
-                    lease=lease.number,
-                    control_port=port,
-                )
         finally:
             if pidfd >= 0:
                 close_quietly(pidfd)
+
+    async def _lend(
+        self, conn: Any, log: Any, guard: Guard, request: wire.ClaimRequest, pidfd: int
+    ) -> Refusal | None:
+        """Bind the group's listener if needed, grant, send the grant with the group file and
+        the listener, and fence the lease by ``pidfd``. A refusal if the listener cannot be
+        bound; if the grant cannot be sent, the lease ends at once."""
+        try:
+            listener = await guard.control_listener(request.control_host, request.control_port)
+        except OSError as exc:
+            address = f"{request.control_host}:{request.control_port}"
+            return Refusal(
+                "control_unavailable",
+                f"claim of group {guard.index}: cannot bind control endpoint {address}: {exc}",
+            )
+        port = listener.getsockname()[1]
+        lease = self.groups.grant(request, port)
+        try:
+            granted = self._granted(request, lease, port)
+            await self._send(conn, granted, (guard.file.fd, listener.fileno()))
+        except BaseException:
+            self.groups.end_lease(guard.index, lease.number, "release")
+            raise
+        guard.watch(lease, pidfd)
+        log.info("lease_granted", group=guard.index, lease=lease.number, control_port=port)
+        return None
 
     def _granted(self, request: wire.ClaimRequest, lease: Lease, port: int) -> wire.ClaimGranted:
         pools = [
