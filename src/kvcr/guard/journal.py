@@ -1,0 +1,271 @@
+"""The recovery journal: committed residency changes of one pool group, in its mapping.
+
+Pure code over a writable buffer (the group's 100 MiB journal region, or a bytearray in
+tests). One process writes (the worker holding the group); anyone may read, also while it
+writes, and after it died at any instruction. A reader recovers exactly the frames that were
+whole when it looked: a torn, partial, bit-flipped or stale frame ends the replay and is
+never misread.
+
+Layout::
+
+    [header slot 0 (64 B)][header slot 1 (64 B)] ... [half 0][half 1]     (halves 8-aligned)
+
+A header slot is ``magic, version, counter, epoch, active half, half size, crc32``; the valid
+slot with the highest counter wins, and a new header always goes to the *other* slot, so a
+torn header write leaves the previous one in force. The active half holds frames::
+
+    magic u32 | length u32 | epoch u64 | seq u64 | payload (length bytes) | crc32 u32 | pad to 8
+
+The first frame of a half has seq 0 and every frame must carry the header's epoch and the
+next seq; the crc covers everything before it. Frames of an older epoch left further on in
+a reused half therefore end the replay.
+
+Compaction: when a frame does not fit in the active half, the writer writes a snapshot of
+the live state into the other half under a new epoch, then switches the header. A crash
+before the switch leaves the old half and epoch in force; after it, the new ones. If even
+the snapshot does not fit, recovery is disabled (a header with no active half) until the
+state shrinks enough for a snapshot to fit again.
+
+Payload entries: ``op u8 | key length u16 | key | count u8 | count x u64``: ``op`` 1 puts the
+key in G2 slots (one per pool), 2 removes it, 3 puts it in G3 (the values say where).
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Iterable
+
+import attrs
+
+HEADER_MAGIC = 0x4B564A48  # "KVJH"
+FRAME_MAGIC = 0x4B564A46  # "KVJF"
+VERSION = 1
+NO_HALF = 0xFFFFFFFF  # recovery disabled
+HEADER = struct.Struct("<IIQQIIQ")  # magic, version, counter, epoch, active, pad, half size
+HEADER_SLOT = 64
+DATA_START = 2 * HEADER_SLOT
+FRAME_HEAD = struct.Struct("<IIQQ")  # magic, payload length, epoch, seq
+CRC = struct.Struct("<I")
+ENTRY_HEAD = struct.Struct("<BH")
+PUT_G2, REMOVE, PUT_G3 = 1, 2, 3
+MAX_KEY = 0xFFFF
+MAX_VALUES = 0xFF
+
+
+class JournalError(ValueError):
+    """A journal buffer that cannot hold a journal at all (too small)."""
+
+
+@attrs.frozen
+class Residency:
+    """Where a committed key lives: ``tier`` PUT_G2 (``values`` = one slot per pool) or
+    PUT_G3 (``values`` = its place in the file tier)."""
+
+    tier: int
+    values: tuple[int, ...]
+
+
+@attrs.frozen
+class Replay:
+    """What a reader recovered: the committed state, and how it got it."""
+
+    state: dict[bytes, Residency]
+    epoch: int
+    frames: int
+    used: int  # bytes of the active half in use
+    half_size: int
+    disabled: bool
+    start: int = DATA_START  # offset of the active half in the buffer
+
+
+def _align8(n: int) -> int:
+    return (n + 7) & ~7
+
+
+def encode_entries(entries: Iterable[tuple[int, bytes, tuple[int, ...]]]) -> bytes:
+    out = bytearray()
+    for op, key, values in entries:
+        if len(key) > MAX_KEY or len(values) > MAX_VALUES:
+            raise ValueError(f"journal entry for key {key[:16]!r}...: key or value list too long")
+        out += ENTRY_HEAD.pack(op, len(key))
+        out += key
+        out.append(len(values))
+        out += struct.pack(f"<{len(values)}Q", *values)
+    return bytes(out)
+
+
+def apply_payload(state: dict[bytes, Residency], payload: bytes | memoryview) -> bool:
+    """Apply one frame's entries to ``state``; False (state untouched) if it is malformed."""
+    changes: list[tuple[int, bytes, tuple[int, ...]]] = []
+    pos, end = 0, len(payload)
+    while pos < end:
+        if pos + ENTRY_HEAD.size > end:
+            return False
+        op, klen = ENTRY_HEAD.unpack_from(payload, pos)
+        pos += ENTRY_HEAD.size
+        if op not in (PUT_G2, REMOVE, PUT_G3) or pos + klen + 1 > end:
+            return False
+        key = bytes(payload[pos : pos + klen])
+        count = payload[pos + klen]
+        pos += klen + 1
+        if pos + 8 * count > end:
+            return False
+        values = struct.unpack_from(f"<{count}Q", payload, pos)
+        pos += 8 * count
+        changes.append((op, key, values))
+    for op, key, values in changes:
+        if op == REMOVE:
+            state.pop(key, None)
+        else:
+            state[key] = Residency(op, values)
+    return True
+
+
+def _layout(size: int) -> int:
+    half = ((size - DATA_START) // 2) & ~7
+    if half < 4096:
+        raise JournalError(f"journal region of {size} bytes is too small (at least 8 KiB)")
+    return half
+
+
+def _read_header(buf: memoryview) -> tuple[int, int, int, int] | None:
+    """(counter, epoch, active half, half size) of the valid header slot with the highest
+    counter, or None if neither slot is valid."""
+    best = None
+    for slot in range(2):
+        off = slot * HEADER_SLOT
+        fields = HEADER.unpack_from(buf, off)
+        (crc,) = CRC.unpack_from(buf, off + HEADER.size)
+        if fields[0] != HEADER_MAGIC or fields[1] != VERSION:
+            continue
+        if zlib.crc32(buf[off : off + HEADER.size]) != crc:
+            continue
+        counter, epoch, active, _, half = fields[2], fields[3], fields[4], fields[5], fields[6]
+        if best is None or counter > best[0]:
+            best = (counter, epoch, active, half)
+    return best
+
+
+def read(buf: memoryview | bytearray | bytes) -> Replay:
+    """Replay the journal in ``buf``: every whole frame of the active half, in order."""
+    view = memoryview(buf)
+    half = _layout(len(view))
+    header = _read_header(view)
+    state: dict[bytes, Residency] = {}
+    if header is None:
+        return Replay(state, 0, 0, 0, half, disabled=False)
+    _, epoch, active, header_half = header
+    if active == NO_HALF or active > 1 or header_half != half:
+        return Replay(state, epoch, 0, 0, half, disabled=active == NO_HALF)
+    base = DATA_START + active * half
+    pos, seq = 0, 0
+    while pos + FRAME_HEAD.size + CRC.size <= half:
+        magic, length, frame_epoch, frame_seq = FRAME_HEAD.unpack_from(view, base + pos)
+        end = pos + FRAME_HEAD.size + length
+        if magic != FRAME_MAGIC or frame_epoch != epoch or frame_seq != seq:
+            break
+        if end + CRC.size > half:
+            break
+        (crc,) = CRC.unpack_from(view, base + end)
+        if zlib.crc32(view[base + pos : base + end]) != crc:
+            break
+        if not apply_payload(state, view[base + pos + FRAME_HEAD.size : base + end]):
+            break
+        pos = _align8(end + CRC.size)
+        seq += 1
+    return Replay(state, epoch, seq, pos, half, disabled=False, start=base)
+
+
+class Writer:
+    """The holder's side: buffers changes and publishes them as frames.
+
+    It starts a fresh epoch with a snapshot of ``state`` (what the holder recovered, or
+    nothing), so whatever an earlier holder left behind is never replayed again. Call
+    :meth:`flush` before any slot named by a buffered removal is written again, and after
+    commits; it returns False while recovery is disabled (the journal cannot hold even a
+    snapshot of the live state).
+    """
+
+    def __init__(self, buf: memoryview | bytearray, state: dict[bytes, Residency] | None = None):
+        self._buf = memoryview(buf)
+        self.half = _layout(len(self._buf))
+        header = _read_header(self._buf)
+        self._counter = header[0] + 1 if header else 1
+        self._epoch = header[1] if header else 0
+        self._active = header[2] if header and header[2] in (0, 1) else 1
+        self.state: dict[bytes, Residency] = dict(state or {})
+        self._pending: list[tuple[int, bytes, tuple[int, ...]]] = []
+        self._pos = 0
+        self._seq = 0
+        self.disabled = False
+        self._disabled_at = 0  # live keys when recovery was disabled
+        self.compactions = 0
+        self._compact()
+
+    @property
+    def fill(self) -> float:
+        """Fraction of the active half in use (1.0 while disabled)."""
+        return 1.0 if self.disabled else self._pos / self.half
+
+    def put(self, key: bytes, slots: tuple[int, ...], tier: int = PUT_G2) -> None:
+        self.state[key] = Residency(tier, slots)
+        self._pending.append((tier, key, slots))
+
+    def remove(self, key: bytes) -> None:
+        if self.state.pop(key, None) is not None:
+            self._pending.append((REMOVE, key, ()))
+
+    def flush(self) -> bool:
+        if not self._pending:
+            return not self.disabled
+        payload = encode_entries(self._pending)
+        self._pending.clear()
+        if self.disabled:
+            # Retry only once the state shrank well below what did not fit: a snapshot
+            # costs time linear in the state.
+            return len(self.state) < 0.9 * self._disabled_at and self._compact()
+        return self._append(payload) or self._compact()
+
+    def _append(self, payload: bytes) -> bool:
+        need = _align8(FRAME_HEAD.size + len(payload) + CRC.size)
+        if self._pos + need > self.half:
+            return False
+        base = DATA_START + self._active * self.half + self._pos
+        head = FRAME_HEAD.pack(FRAME_MAGIC, len(payload), self._epoch, self._seq)
+        end = base + FRAME_HEAD.size + len(payload)
+        self._store(base, head)
+        self._store(base + FRAME_HEAD.size, payload)
+        crc = zlib.crc32(payload, zlib.crc32(head))
+        # The crc goes last: a reader that sees it valid sees the whole frame (x86 keeps
+        # store order; the crc would not match a frame missing any earlier store anyway).
+        self._store(end, CRC.pack(crc))
+        self._pos += need
+        self._seq += 1
+        return True
+
+    def _compact(self) -> bool:
+        """Write a snapshot of the live state into the other half under a new epoch and
+        switch to it; disable recovery if it does not fit."""
+        target = 1 - self._active if self._active in (0, 1) else 0
+        self._epoch += 1
+        self._active, self._pos, self._seq = target, 0, 0
+        snapshot = encode_entries((r.tier, k, r.values) for k, r in self.state.items())
+        fits = self._append(snapshot) if snapshot else True
+        self.disabled = not fits
+        self._disabled_at = len(self.state) if self.disabled else 0
+        self._write_header(NO_HALF if self.disabled else target)
+        self.compactions += 1
+        return fits
+
+    def _write_header(self, active: int) -> None:
+        slot = self._counter % 2
+        off = slot * HEADER_SLOT
+        fields = HEADER.pack(
+            HEADER_MAGIC, VERSION, self._counter, self._epoch, active, 0, self.half
+        )
+        self._store(off, fields + CRC.pack(zlib.crc32(fields)))
+        self._counter += 1
+
+    def _store(self, offset: int, data: bytes) -> None:
+        self._buf[offset : offset + len(data)] = data

@@ -1,0 +1,204 @@
+"""The recovery journal: whatever happens to the buffer, a reader gets a state the writer
+really published (whole frames only), never a misread one."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvcr.guard import journal
+from kvcr.guard.journal import PUT_G2, PUT_G3, Residency, Writer, read
+
+SIZE = 64 * 1024  # two halves of ~32 KiB: compaction happens often
+
+
+class Recording(Writer):
+    """A writer whose stores are logged, so that a test can replay any prefix of them."""
+
+    def __init__(self, buf, state=None, log=None):
+        self.stores: list[tuple[int, bytes]] = log if log is not None else []
+        super().__init__(buf, state)
+
+    def _store(self, offset: int, data: bytes) -> None:
+        self.stores.append((offset, bytes(data)))
+        super()._store(offset, data)
+
+
+def g2(*slots: int) -> Residency:
+    return Residency(PUT_G2, slots)
+
+
+def test_an_empty_buffer_replays_to_nothing() -> None:
+    replay = read(bytearray(SIZE))
+    assert replay.state == {} and replay.frames == 0 and not replay.disabled
+
+
+def test_puts_and_removes_replay_in_order() -> None:
+    buf = bytearray(SIZE)
+    w = Writer(buf)
+    w.put(b"a", (1, 7))
+    w.put(b"b", (2, 8))
+    w.flush()
+    w.remove(b"a")
+    w.put(b"c", (9,), tier=PUT_G3)
+    w.flush()
+    assert read(buf).state == {b"b": g2(2, 8), b"c": Residency(PUT_G3, (9,))}
+
+
+def test_unflushed_changes_are_not_published() -> None:
+    buf = bytearray(SIZE)
+    w = Writer(buf)
+    w.put(b"a", (1,))
+    assert read(buf).state == {}
+    w.flush()
+    assert read(buf).state == {b"a": g2(1)}
+
+
+def test_a_new_holder_starts_a_new_epoch_from_what_it_recovered() -> None:
+    buf = bytearray(SIZE)
+    first = Writer(buf)
+    first.put(b"a", (1,))
+    first.put(b"b", (2,))
+    first.flush()
+    recovered = read(buf)
+
+    second = Writer(buf, recovered.state)
+    second.remove(b"a")
+    second.flush()
+
+    replay = read(buf)
+    assert replay.state == {b"b": g2(2)} and replay.epoch == recovered.epoch + 1
+
+
+def test_a_full_half_is_compacted_into_a_snapshot_of_the_live_state() -> None:
+    buf = bytearray(SIZE)
+    w = Writer(buf)
+    for i in range(2000):  # churn: far more history than a half holds
+        w.put(b"k%d" % (i % 10), (i,))
+        w.flush()
+    assert w.compactions > 2 and not w.disabled and 0 < w.fill < 1
+    assert read(buf).state == {b"k%d" % j: g2(1990 + j) for j in range(10)}
+
+
+def test_a_live_state_too_big_for_a_snapshot_disables_recovery_until_it_shrinks() -> None:
+    buf = bytearray(SIZE)
+    w = Writer(buf)
+    for i in range(3000):
+        w.put(b"key-%06d" % i, (i, i))
+    assert w.flush() is False and w.disabled and w.fill == 1.0
+    replay = read(buf)
+    assert replay.disabled and replay.state == {}  # nothing stale or partial is served
+
+    for i in range(2900):
+        w.remove(b"key-%06d" % i)
+    assert w.flush() is True and not w.disabled
+    assert read(buf).state == {b"key-%06d" % i: g2(i, i) for i in range(2900, 3000)}
+
+
+def test_a_buffer_too_small_for_a_journal_is_refused() -> None:
+    with pytest.raises(journal.JournalError, match="too small"):
+        Writer(bytearray(4096))
+
+
+# --- crashes and corruption (hypothesis) ----------------------------------------------------
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("put"), st.integers(0, 40), st.integers(0, 1 << 40)),
+        st.tuples(st.just("remove"), st.integers(0, 40), st.just(0)),
+        st.tuples(st.just("flush"), st.just(0), st.just(0)),
+    ),
+    max_size=300,
+)
+
+
+def run(ops_list, log):
+    """Run the writer over ``ops_list``; return the published states, one per flush (the
+    first is the empty start)."""
+    buf = bytearray(SIZE)
+    w = Recording(buf, log=log)
+    states = [dict(w.state)]
+    for op, k, v in ops_list:
+        key = b"key-%d" % k
+        if op == "put":
+            w.put(key, (v, k))
+        elif op == "remove":
+            w.remove(key)
+        elif w.flush():
+            states.append(dict(w.state))
+        else:
+            states.append({})  # disabled: nothing may be served
+    return buf, states
+
+
+def replay_prefix(stores, upto: int, partial: bytes | None, at: int) -> bytearray:
+    buf = bytearray(SIZE)
+    for offset, data in stores[:upto]:
+        buf[offset : offset + len(data)] = data
+    if partial is not None:
+        buf[at : at + len(partial)] = partial
+    return buf
+
+
+SETTINGS = settings(
+    max_examples=300,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+@SETTINGS
+@given(ops_list=ops)
+def test_without_a_crash_the_reader_sees_the_last_flush(ops_list) -> None:
+    buf, states = run(ops_list, [])
+    assert read(buf).state == states[-1]
+
+
+@SETTINGS
+@given(ops_list=ops, cut=st.floats(0, 1), torn=st.floats(0, 1), seed=st.integers(0, 1 << 30))
+def test_a_crash_at_any_store_leaves_a_published_state(ops_list, cut, torn, seed) -> None:
+    stores: list[tuple[int, bytes]] = []
+    _, states = run(ops_list, stores)
+    upto = int(cut * len(stores))
+    partial, at = None, 0
+    if upto < len(stores):  # the store the crash interrupted: some of its bytes landed
+        at, data = stores[upto]
+        rng = random.Random(seed)
+        landed = bytearray(replay_prefix(stores, upto, None, 0)[at : at + len(data)])
+        for i in range(len(data)):
+            if rng.random() < torn:
+                landed[i] = data[i]
+        partial = bytes(landed)
+    state = read(replay_prefix(stores, upto, partial, at)).state
+    assert state in states
+
+
+@SETTINGS
+@given(
+    ops_list=ops,
+    in_header=st.booleans(),
+    where=st.floats(0, 1),
+    bit=st.integers(0, 7),
+)
+def test_a_flipped_bit_never_yields_an_unpublished_state(ops_list, in_header, where, bit) -> None:
+    buf, states = run(ops_list, [])
+    replay = read(buf)
+    if in_header:
+        i = int(where * (journal.DATA_START - 1))
+    else:  # somewhere in the frames the reader just used
+        i = replay.start + int(where * max(replay.used - 1, 0))
+    buf[i] ^= 1 << bit
+    assert read(buf).state in states
+
+
+@SETTINGS
+@given(ops_list=ops, length=st.integers(0, SIZE))
+def test_a_truncated_or_zeroed_tail_keeps_only_whole_frames(ops_list, length) -> None:
+    buf, states = run(ops_list, [])
+    buf[length:] = bytes(SIZE - length)
+    assert read(buf).state in [*states, {}]
