@@ -153,6 +153,7 @@ class KVCR:
         transport_factory: Callable[[], Transport],
     ) -> None:
         self._closed = True  # until the runtime runs
+        self._hold = None
         validate_setup(config, backend_configs, guard_config)
         if not isinstance(bindings, KVCRBindings):
             raise ValueError(
@@ -215,6 +216,8 @@ class KVCR:
             remote_options=backend_configs.remote_fw_dram,
             op_ids=lambda: next(self._op_ids),
             log=self._log,
+            journal=self._hold.journal_buffer() if self._hold is not None else None,
+            group=self._hold.guard_index if self._hold is not None else None,
         )
         self._view = self._runtime.index.view
         self._outbox = self._runtime.outbox

@@ -14,6 +14,7 @@ from engine_sim import EngineSim, Recorder, router_hint
 from kvcr import KVCR
 from kvcr.config import KVCRBackendConfigs, KVCRGuardConfig
 from kvcr.control_channels import ZmqPeerControlChannel
+from kvcr.types import CacheTier, QueryStatus
 from peer_world import EnginePins, IntKeys, key
 from procs import GuardProcess, SourceWorker, free_port, wait_until
 
@@ -36,7 +37,9 @@ class SendOnly:
 class GuardedWorker:
     """A kvcr worker in this process whose pools are group ``index`` of the service."""
 
-    def __init__(self, guard: GuardProcess, index: int, channel: object = None) -> None:
+    def __init__(
+        self, guard: GuardProcess, index: int, channel: object = None, port: int | None = None
+    ) -> None:
         self.engine = EngineSim(
             name=f"guarded-{index}-{os.getpid()}",
             layouts=[("", BLOCK)],
@@ -45,11 +48,14 @@ class GuardedWorker:
             operation_timeout_ms=2000,
             abandon_timeout_ms=4000,
         )
-        self.channel = channel or ZmqPeerControlChannel("127.0.0.1", free_port(), "127.0.0.1")
+        self.channel = channel or ZmqPeerControlChannel(
+            "127.0.0.1", port or free_port(), "127.0.0.1"
+        )
         pins = EnginePins(self.engine)
+        self.recorder = Recorder()
         self.kv = KVCR(
             self.engine.config,
-            Recorder().bindings(
+            self.recorder.bindings(
                 framework_control=self.channel,
                 key_adapter=IntKeys(),
                 request_pin=pins.request_pin,
@@ -63,6 +69,10 @@ class GuardedWorker:
     def pull(self, source: SourceWorker, pairs: list[tuple[int, int]], request: str) -> dict:
         self.kv.submit_hint(router_hint(source.endpoint, [k for k, _ in pairs]), request)
         handle = self.kv.deliver({key(k): self.engine.refs(e) for k, e in pairs}, request)
+        return self.engine.statuses(self.engine.wait(self.kv, handle, len(pairs)))
+
+    def deliver_local(self, pairs: list[tuple[int, int]]) -> dict:
+        handle = self.kv.deliver({key(k): self.engine.refs(e) for k, e in pairs})
         return self.engine.statuses(self.engine.wait(self.kv, handle, len(pairs)))
 
     def close(self) -> None:
@@ -154,3 +164,56 @@ def test_a_startup_failure_after_the_claim_gives_the_group_back(guard) -> None:
         GuardedWorker(guard, 0, channel=channel)
     assert guard.states()[0] == ("idle", None)
     assert "lease_ended group=0 lease=1 reason='released'" in guard.log()
+
+
+# --- warm start from the group's journal ---------------------------------------------------------
+
+HIT = (QueryStatus.HIT, CacheTier.LOCAL_G2)
+MISS = (QueryStatus.MISS, None)
+
+
+def test_a_replacement_for_a_sigkilled_worker_starts_warm(guard) -> None:
+    port = free_port()
+    dead = SourceWorker("a1", SIZES, port, guard=(guard.socket_path, 0, guard.digest))
+    sums = dead("deposit", [(k, k, 700 + k) for k in range(8)])
+    dead.kill()
+    wait_until(lambda: guard.states()[0] == ("idle", None), what="lease freed")
+
+    heir = GuardedWorker(guard, 0, port=port)
+    try:
+        keys = [key(k) for k in range(8)]
+        assert heir.kv.query([*keys, key(99)]) == [HIT] * 8 + [MISS]
+        assert sorted(heir.recorder.inventory_keys(removed=False)) == sorted(keys)
+        assert heir.deliver_local([(k, 20 + k) for k in range(8)]) == dict.fromkeys(keys, "SUCCESS")
+        for k in range(8):
+            assert heir.engine.checksum(20 + k) == sums[k][1]
+    finally:
+        heir.close()
+
+
+def test_the_heir_serves_recovered_blocks_to_peers_and_evicts_them_normally(guard) -> None:
+    port = free_port()
+    first = GuardedWorker(guard, 0, port=port)
+    for k in range(4):
+        first.engine.write(k, 900 + k)
+    handle = first.kv.deposit({key(k): first.engine.refs(k) for k in range(4)})
+    first.engine.wait(first.kv, handle, 4)
+    sums = {k: first.engine.checksum(k) for k in range(4)}
+    first.close()  # a clean release keeps the journal too
+
+    heir = SourceWorker("a2", SIZES, port, guard=(guard.socket_path, 0, guard.digest))
+    peer = GuardedWorker(guard, 1)
+    try:
+        result = peer.pull(heir, [(k, 10 + k) for k in range(4)], "req-warm")
+        assert set(result.values()) == {"SUCCESS"}
+        for k in range(4):
+            assert peer.engine.checksum(10 + k) == sums[k]
+        # 128 slots: 150 more blocks evict the recovered ones like any other.
+        for batch in range(5):
+            done = heir("deposit", [(100 + 30 * batch + k, k, k) for k in range(30)])
+            assert {status for status, _ in done.values()} == {"SUCCESS"}
+        result = peer.pull(heir, [(k, 10 + k) for k in range(4)], "req-after")
+        assert set(result.values()) == {"FAILED"}  # evicted (least recently used)
+    finally:
+        peer.close()
+        heir.stop()

@@ -260,6 +260,15 @@ class KVCRPoolHold:
             return None
         return (self._mapping.journal_address, self._grant.journal_size)
 
+    def journal_buffer(self) -> memoryview | None:
+        """A writable view of the group's recovery journal in this process's mapping. The
+        caller must ``release()`` it before :meth:`release` (which cannot unmap under it)."""
+        if self._mapping is None or self._grant is None:
+            return None
+        self._check_owner("journal_buffer")
+        offset = self._grant.journal_offset
+        return memoryview(self._mapping.mmap)[offset : offset + self._grant.journal_size]
+
     @property
     def released(self) -> bool:
         return self._released

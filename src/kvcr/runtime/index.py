@@ -21,7 +21,8 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol
 
 import attrs
 
@@ -54,6 +55,11 @@ class SlotPool:
     def release(self, slot: int) -> None:
         self._free.append(slot)
 
+    def take_these(self, slots: Iterable[int]) -> None:
+        """Take specific free slots (recovered blocks occupy the slots they had)."""
+        taken = set(slots)
+        self._free = [s for s in self._free if s not in taken]
+
 
 class BlockState(enum.Enum):
     FILLING = "FILLING"
@@ -74,9 +80,20 @@ class Block:
     waiters: object = None  # a trio.Event while somebody waits for the fill to end
 
 
+class JournalSink(Protocol):
+    """Where committed residency changes go (the guard's recovery journal)."""
+
+    def put(self, key: BlockKey, slots: tuple[int, ...]) -> None: ...
+    def remove(self, key: BlockKey) -> None: ...
+    def flush(self) -> None: ...
+
+
 class BlockIndex:
     def __init__(self, pools: list[SlotPool]) -> None:
         self.pools = pools
+        # Committed changes are mirrored here; buffered ones are flushed before any slot is
+        # handed out again, so a removal is always published before its slot is rewritten.
+        self.journal: JournalSink | None = None
         self.blocks: dict[BlockKey, Block] = {}
         self.view: dict[BlockKey, tuple[QueryStatus, CacheTier]] = {}
         self._heap: list[tuple[float, int, BlockKey, int]] = []
@@ -103,6 +120,8 @@ class BlockIndex:
         for key in keys:
             if key in self.blocks:
                 raise KeyError(f"block index: key {key!r} already has a record")
+        if self.journal is not None:
+            self.journal.flush()
         per_pool = [sorted(pool.take() for _ in keys) for pool in self.pools]
         blocks = []
         for i, key in enumerate(keys):
@@ -116,6 +135,25 @@ class BlockIndex:
         block.state = BlockState.READY
         self.view[block.key] = HIT
         self.rescore(block, score)
+        if self.journal is not None:
+            self.journal.put(block.key, block.slots)
+
+    def flush_journal(self) -> None:
+        if self.journal is not None:
+            self.journal.flush()
+
+    def restore(self, records: list[tuple[BlockKey, tuple[int, ...]]]) -> list[Block]:
+        """READY records for blocks recovered in the slots they had (checked by the caller:
+        in range, one per pool, no slot twice), without recency; the caller queues them."""
+        for pool, slots in zip(self.pools, zip(*(s for _, s in records))):
+            pool.take_these(slots)
+        blocks = []
+        for key, slots in records:
+            block = Block(key, slots, state=BlockState.READY)
+            self.blocks[key] = block
+            self.view[key] = HIT
+            blocks.append(block)
+        return blocks
 
     def remove(self, block: Block) -> None:
         """Forget the record and free its slots: only when no transfer touches them."""
@@ -128,6 +166,8 @@ class BlockIndex:
         del self.blocks[block.key]
         self.view.pop(block.key, None)
         block.version += 1
+        if block.state is BlockState.READY and self.journal is not None:
+            self.journal.remove(block.key)
 
     def holds(self, block: Block) -> bool:
         return self.blocks.get(block.key) is block

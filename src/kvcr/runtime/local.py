@@ -351,6 +351,7 @@ class LocalG2:
                 if op.live(block.key):
                     answers[block.key] = FAILED
             fill_over(block)
+        self.index.flush_journal()  # committed before the engine hears of it
         op.moved += len(added)
         if added:
             self.callbacks.inventory(InventoryEvent(tuple(added), CacheTier.LOCAL_G2, False))

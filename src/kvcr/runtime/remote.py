@@ -176,6 +176,7 @@ class Remote:
                 if op.live(block.key):
                     answers[block.key] = FAILED
             fill_over(block)
+        self.index.flush_journal()  # committed before the engine hears of it
         op.moved_remote += len(added)
         if added:
             local.callbacks.inventory(InventoryEvent(tuple(added), CacheTier.LOCAL_G2, False))

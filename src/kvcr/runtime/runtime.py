@@ -31,6 +31,7 @@ from kvcr.runtime.inbox import Inbox
 from kvcr.runtime.index import BlockIndex, SlotPool
 from kvcr.runtime.local import LocalG2
 from kvcr.runtime.memory import MemoryMap
+from kvcr.runtime.mirror import Mirror, recover
 from kvcr.runtime.ops import FAILED, Operation, Outbox
 from kvcr.runtime.peers import Peers
 from kvcr.runtime.pins import Pins
@@ -95,8 +96,13 @@ class Runtime:
         remote_options: Any,
         op_ids: Callable[[], int],
         log: Any,
+        journal: memoryview | None = None,
+        group: int | None = None,
     ) -> None:
         self.bindings = bindings
+        self.journal = journal  # the guard group's recovery journal, owned from here on
+        self.group = group
+        self.mirror: Mirror | None = None
         self.remote_options = remote_options
         self.op_ids = op_ids
         self.config = config
@@ -151,6 +157,8 @@ class Runtime:
                     callbacks=self.callbacks,
                     log=self.log,
                 )
+                if self.journal is not None:
+                    self._start_warm(self.local, self.journal)
             async with trio.open_nursery() as root:
                 root.start_soon(self.transfers.run)
                 b = self.bindings
@@ -178,6 +186,10 @@ class Runtime:
                 await pins.drain(self.config.operation_timeout_ms / 1000)
                 root.cancel_scope.cancel()
         finally:
+            if self.mirror is not None:
+                self.mirror.close()
+            elif self.journal is not None:
+                self.journal.release()
             self.leaked = leaked
             if leaked:
                 _LEAKED.append(transport)
@@ -188,6 +200,17 @@ class Runtime:
             elif transport is not None:
                 transport.close()
             self.closed.set()
+
+    def _start_warm(self, local: LocalG2, buf: memoryview) -> None:
+        """Recover the blocks the group's journal holds, then mirror changes into it."""
+        blocks, state = recover(self.index, buf, self.log)
+        for block in blocks:
+            self.index.rescore(block, local.score(block))
+        self.mirror = Mirror(buf, state, self.group, self.log)
+        self.index.journal = self.mirror
+        if blocks:
+            keys = tuple(block.key for block in blocks)
+            self.callbacks.inventory(InventoryEvent(keys, CacheTier.LOCAL_G2, False))
 
     async def _start_peers(self, nursery: trio.Nursery, transport: Transport, pins: Pins) -> None:
         channel = self.bindings.framework_control
@@ -429,5 +452,6 @@ class Runtime:
             "ops_in_flight": len(self.ops),
             "transfers_in_flight": self.transfers.in_flight if self.transfers else 0,
             "release_handles": len(self.live_handles),
+            **({"journal_fill_percent": self.mirror.fill_percent} if self.mirror else {}),
             **(self.peers.gauges() if self.peers is not None else {}),
         }

@@ -1,0 +1,122 @@
+"""The worker's side of crash recovery: start warm from the group's journal, then mirror
+every committed change into it.
+
+At start, the journal left by the group's previous holder (a worker that died, or the Guard
+that served in between) is replayed: every G2 record that names one in-range slot per pool,
+no slot twice, becomes a READY block in the slots it had, with no claims and no recency,
+queued for eviction by the policy's score; the LOCAL_G2 inventory is republished for them.
+G3 records are kept aside in the journal for the file tier. Anything else is skipped (and
+counted in the log): a record from outside is never trusted to point at memory.
+
+Then :class:`Mirror` is the index's journal sink. If the journal cannot hold even a snapshot
+of the live state, recovery is disabled for the group (logged as ``KVCR pool recovery
+disabled``) and the worker goes on; it is enabled again once a snapshot fits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvcr.guard import journal
+from kvcr.runtime.index import Block, BlockIndex
+from kvcr.types import BlockKey, RecoveryMirrorError
+
+
+class Mirror:
+    def __init__(
+        self, buf: memoryview, state: dict[BlockKey, journal.Residency], group: int | None, log: Any
+    ):
+        self._buf = buf
+        self._writer = journal.Writer(buf, state)
+        self.group = group
+        self.log = log
+        self._warned_keys = False
+        if self._writer.disabled:
+            self._disabled()
+
+    @property
+    def fill_percent(self) -> float:
+        return 100.0 * self._writer.fill
+
+    def put(self, key: BlockKey, slots: tuple[int, ...]) -> None:
+        if len(key) > journal.MAX_KEY:
+            self._cannot_describe(key)
+            return
+        self._writer.put(key, slots)
+
+    def remove(self, key: BlockKey) -> None:
+        self._writer.remove(key)
+
+    def flush(self) -> None:
+        was = self._writer.disabled
+        ok = self._writer.flush()
+        if not ok and not was:
+            self._disabled()
+        elif ok and was:
+            self.log.warning("KVCR pool recovery enabled again", group=self.group)
+
+    def _disabled(self) -> None:
+        self.log.error(
+            "KVCR pool recovery disabled",
+            group=self.group,
+            blocks=len(self._writer.state),
+            reason="the journal cannot hold a snapshot of the live state",
+        )
+
+    def _cannot_describe(self, key: BlockKey) -> None:
+        if not self._warned_keys:
+            self._warned_keys = True
+            self.log.warning(
+                "recovery_mirror_skipped",
+                error=str(
+                    RecoveryMirrorError(
+                        f"a key of {len(key)} bytes exceeds the journal's {journal.MAX_KEY}"
+                    )
+                ),
+            )
+
+    def close(self) -> None:
+        """Publish what is buffered and let go of the journal's memory."""
+        self.flush()
+        self._writer = None  # type: ignore[assignment]
+        self._buf.release()
+
+
+def recover(
+    index: BlockIndex, buf: memoryview, log: Any
+) -> tuple[list[Block], dict[BlockKey, journal.Residency]]:
+    """Replay ``buf`` into ``index``: the blocks restored, and the state the mirror starts
+    from (those blocks plus the G3 records)."""
+    replay = journal.read(buf)
+    capacities = [pool.capacity for pool in index.pools]
+    taken: list[set[int]] = [set() for _ in capacities]
+    records: list[tuple[BlockKey, tuple[int, ...]]] = []
+    kept: dict[BlockKey, journal.Residency] = {}
+    skipped = 0
+    for key, residency in replay.state.items():
+        if residency.tier == journal.PUT_G3:
+            kept[key] = residency
+            continue
+        slots = residency.values
+        if (
+            residency.tier != journal.PUT_G2
+            or len(slots) != len(capacities)
+            or any(not 0 <= s < cap or s in seen for s, cap, seen in zip(slots, capacities, taken))
+        ):
+            skipped += 1
+            continue
+        for slot, seen in zip(slots, taken):
+            seen.add(slot)
+        records.append((key, slots))
+        kept[key] = residency
+    blocks = index.restore(records)
+    log.info(
+        "recovered",
+        blocks=len(blocks),
+        g3_records=sum(1 for r in kept.values() if r.tier == journal.PUT_G3),
+        skipped=skipped,
+        epoch=replay.epoch,
+        frames=replay.frames,
+        disabled=replay.disabled,
+    )
+    return blocks, kept
