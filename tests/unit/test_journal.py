@@ -11,16 +11,46 @@ from hypothesis import strategies as st
 
 from kvcr.guard import journal
 from kvcr.guard.journal import PUT_G2, PUT_G3, Residency, Writer, read
+from kvcr.types import RecoveryMirrorError
 
 SIZE = 64 * 1024  # two halves of ~32 KiB: compaction happens often
+
+
+class Model(dict):
+    """The holder's live state, as the writer asks for it at snapshots."""
+
+    def live(self):
+        return [(r.tier, k, r.values) for k, r in self.items()]
+
+
+class Holder:
+    """A writer and the state it publishes (what a worker's index would be)."""
+
+    def __init__(self, buf, state=None, writer=Writer, **kw):
+        self.model = Model(state or {})
+        self.w = writer(buf, self.model.live, **kw)
+
+    def put(self, key, values, tier=PUT_G2):
+        self.w.put(key, values, tier)
+        self.model[key] = Residency(tier, values)
+
+    def remove(self, key):
+        if self.model.pop(key, None) is not None:
+            self.w.remove(key)
+
+    def flush(self):
+        return self.w.flush()
+
+    def published(self):
+        return dict(self.model) if not self.w.disabled else {}
 
 
 class Recording(Writer):
     """A writer whose stores are logged, so that a test can replay any prefix of them."""
 
-    def __init__(self, buf, state=None, log=None):
-        self.stores: list[tuple[int, bytes]] = log if log is not None else []
-        super().__init__(buf, state)
+    def __init__(self, buf, live, log):
+        self.stores: list[tuple[int, bytes]] = log
+        super().__init__(buf, live)
 
     def _store(self, offset: int, data: bytes) -> None:
         self.stores.append((offset, bytes(data)))
@@ -38,7 +68,7 @@ def test_an_empty_buffer_replays_to_nothing() -> None:
 
 def test_puts_and_removes_replay_in_order() -> None:
     buf = bytearray(SIZE)
-    w = Writer(buf)
+    w = Holder(buf)
     w.put(b"a", (1, 7))
     w.put(b"b", (2, 8))
     w.flush()
@@ -50,7 +80,7 @@ def test_puts_and_removes_replay_in_order() -> None:
 
 def test_unflushed_changes_are_not_published() -> None:
     buf = bytearray(SIZE)
-    w = Writer(buf)
+    w = Holder(buf)
     w.put(b"a", (1,))
     assert read(buf).state == {}
     w.flush()
@@ -59,13 +89,13 @@ def test_unflushed_changes_are_not_published() -> None:
 
 def test_a_new_holder_starts_a_new_epoch_from_what_it_recovered() -> None:
     buf = bytearray(SIZE)
-    first = Writer(buf)
+    first = Holder(buf)
     first.put(b"a", (1,))
     first.put(b"b", (2,))
     first.flush()
     recovered = read(buf)
 
-    second = Writer(buf, recovered.state)
+    second = Holder(buf, recovered.state)
     second.remove(b"a")
     second.flush()
 
@@ -75,32 +105,41 @@ def test_a_new_holder_starts_a_new_epoch_from_what_it_recovered() -> None:
 
 def test_a_full_half_is_compacted_into_a_snapshot_of_the_live_state() -> None:
     buf = bytearray(SIZE)
-    w = Writer(buf)
+    w = Holder(buf)
     for i in range(2000):  # churn: far more history than a half holds
         w.put(b"k%d" % (i % 10), (i,))
         w.flush()
-    assert w.compactions > 2 and not w.disabled and 0 < w.fill < 1
+    assert w.w.compactions > 2 and not w.w.disabled and 0 < w.w.fill < 1
     assert read(buf).state == {b"k%d" % j: g2(1990 + j) for j in range(10)}
 
 
 def test_a_live_state_too_big_for_a_snapshot_disables_recovery_until_it_shrinks() -> None:
     buf = bytearray(SIZE)
-    w = Writer(buf)
+    w = Holder(buf)
     for i in range(3000):
         w.put(b"key-%06d" % i, (i, i))
-    assert w.flush() is False and w.disabled and w.fill == 1.0
+    assert w.flush() is False and w.w.disabled and w.w.fill == 1.0
     replay = read(buf)
     assert replay.disabled and replay.state == {}  # nothing stale or partial is served
 
     for i in range(2900):
         w.remove(b"key-%06d" % i)
-    assert w.flush() is True and not w.disabled
+    assert w.flush() is True and not w.w.disabled
     assert read(buf).state == {b"key-%06d" % i: g2(i, i) for i in range(2900, 3000)}
+
+
+def test_a_key_the_journal_cannot_describe_is_refused_and_changes_nothing() -> None:
+    w = Holder(bytearray(SIZE))
+    with pytest.raises(RecoveryMirrorError, match="70000-byte key"):
+        w.put(b"x" * 70000, (1,))
+    with pytest.raises(RecoveryMirrorError, match="300 values"):
+        w.put(b"k", tuple(range(300)))
+    assert w.model == {} and w.flush()
 
 
 def test_a_buffer_too_small_for_a_journal_is_refused() -> None:
     with pytest.raises(journal.JournalError, match="too small"):
-        Writer(bytearray(4096))
+        Writer(bytearray(4096), list)
 
 
 # --- crashes and corruption (hypothesis) ----------------------------------------------------
@@ -119,18 +158,17 @@ def run(ops_list, log):
     """Run the writer over ``ops_list``; return the published states, one per flush (the
     first is the empty start)."""
     buf = bytearray(SIZE)
-    w = Recording(buf, log=log)
-    states = [dict(w.state)]
+    w = Holder(buf, writer=Recording, log=log)
+    states = [w.published()]
     for op, k, v in ops_list:
         key = b"key-%d" % k
         if op == "put":
             w.put(key, (v, k))
         elif op == "remove":
             w.remove(key)
-        elif w.flush():
-            states.append(dict(w.state))
         else:
-            states.append({})  # disabled: nothing may be served
+            w.flush()
+            states.append(w.published())  # {} while disabled: nothing may be served
     return buf, states
 
 

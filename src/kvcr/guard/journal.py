@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import attrs
+
+from kvcr.types import RecoveryMirrorError
 
 HEADER_MAGIC = 0x4B564A48  # "KVJH"
 FRAME_MAGIC = 0x4B564A46  # "KVJF"
@@ -83,15 +85,33 @@ def _align8(n: int) -> int:
     return (n + 7) & ~7
 
 
+_ENTRIES: dict[tuple[int, int], struct.Struct] = {}
+
+
+def _entry_struct(key_len: int, count: int) -> struct.Struct:
+    """The packing of one entry with a key of ``key_len`` bytes and ``count`` values."""
+    if not 0 <= key_len <= MAX_KEY or not 0 <= count <= MAX_VALUES:
+        raise RecoveryMirrorError(
+            f"recovery journal: an entry with a {key_len}-byte key and {count} values cannot "
+            f"be described (at most {MAX_KEY} bytes and {MAX_VALUES} values)"
+        )
+    entry = _ENTRIES[(key_len, count)] = struct.Struct(f"<BH{key_len}sB{count}Q")
+    return entry
+
+
 def encode_entries(entries: Iterable[tuple[int, bytes, tuple[int, ...]]]) -> bytes:
+    """Entries as one payload; those the journal cannot describe are left out (they were
+    refused when first put, so they are not in the journal anyway)."""
     out = bytearray()
     for op, key, values in entries:
-        if len(key) > MAX_KEY or len(values) > MAX_VALUES:
-            raise ValueError(f"journal entry for key {key[:16]!r}...: key or value list too long")
-        out += ENTRY_HEAD.pack(op, len(key))
-        out += key
-        out.append(len(values))
-        out += struct.pack(f"<{len(values)}Q", *values)
+        shape = (len(key), len(values))
+        entry = _ENTRIES.get(shape)
+        if entry is None:
+            try:
+                entry = _entry_struct(*shape)
+            except RecoveryMirrorError:
+                continue
+        out += entry.pack(op, shape[0], key, shape[1], *values)
     return bytes(out)
 
 
@@ -177,29 +197,34 @@ def read(buf: memoryview | bytearray | bytes) -> Replay:
     return Replay(state, epoch, seq, pos, half, disabled=False, start=base)
 
 
+Entry = tuple[int, bytes, tuple[int, ...]]  # (op, key, values)
+
+
 class Writer:
     """The holder's side: buffers changes and publishes them as frames.
 
-    It starts a fresh epoch with a snapshot of ``state`` (what the holder recovered, or
-    nothing), so whatever an earlier holder left behind is never replayed again. Call
-    :meth:`flush` before any slot named by a buffered removal is written again, and after
-    commits; it returns False while recovery is disabled (the journal cannot hold even a
-    snapshot of the live state).
+    ``live()`` lists the live state as ``(tier, key, values)`` whenever the writer needs a
+    snapshot: at start (a fresh epoch, so that whatever an earlier holder left behind is
+    never replayed again) and when a half is full. The writer keeps no copy of its own: the
+    holder's index is the state. Call :meth:`flush` before any slot named by a buffered
+    removal is written again, and after commits; it returns False while recovery is
+    disabled (the journal cannot hold even a snapshot of the live state).
     """
 
-    def __init__(self, buf: memoryview | bytearray, state: dict[bytes, Residency] | None = None):
+    def __init__(self, buf: memoryview | bytearray, live: Callable[[], Iterable[Entry]]):
         self._buf = memoryview(buf)
+        self._live = live
         self.half = _layout(len(self._buf))
         header = _read_header(self._buf)
         self._counter = header[0] + 1 if header else 1
         self._epoch = header[1] if header else 0
         self._active = header[2] if header and header[2] in (0, 1) else 1
-        self.state: dict[bytes, Residency] = dict(state or {})
-        self._pending: list[tuple[int, bytes, tuple[int, ...]]] = []
+        self._pending = bytearray()
         self._pos = 0
         self._seq = 0
         self.disabled = False
-        self._disabled_at = 0  # live keys when recovery was disabled
+        self._disabled_at = 0  # snapshot bytes that did not fit
+        self._pending_at_disable = 0
         self.compactions = 0
         self._compact()
 
@@ -208,23 +233,30 @@ class Writer:
         """Fraction of the active half in use (1.0 while disabled)."""
         return 1.0 if self.disabled else self._pos / self.half
 
-    def put(self, key: bytes, slots: tuple[int, ...], tier: int = PUT_G2) -> None:
-        self.state[key] = Residency(tier, slots)
-        self._pending.append((tier, key, slots))
+    def put(self, key: bytes, values: tuple[int, ...], tier: int = PUT_G2) -> None:
+        """Record ``key`` at ``values``; a key the journal cannot describe (over 65,535
+        bytes, over 255 values) raises RecoveryMirrorError and records nothing."""
+        shape = (len(key), len(values))
+        entry = _ENTRIES.get(shape) or _entry_struct(*shape)
+        self._pending += entry.pack(tier, shape[0], key, shape[1], *values)
 
     def remove(self, key: bytes) -> None:
-        if self.state.pop(key, None) is not None:
-            self._pending.append((REMOVE, key, ()))
+        shape = (len(key), 0)
+        entry = _ENTRIES.get(shape) or _entry_struct(*shape)
+        self._pending += entry.pack(REMOVE, shape[0], key, 0)
 
     def flush(self) -> bool:
         if not self._pending:
             return not self.disabled
-        payload = encode_entries(self._pending)
+        payload = bytes(self._pending)
         self._pending.clear()
         if self.disabled:
-            # Retry only once the state shrank well below what did not fit: a snapshot
-            # costs time linear in the state.
-            return len(self.state) < 0.9 * self._disabled_at and self._compact()
+            # Retry only after changes worth a quarter of the snapshot that did not fit: a
+            # snapshot costs time linear in the state, so each change pays a bounded share.
+            self._pending_at_disable += len(payload)
+            if 4 * self._pending_at_disable < self._disabled_at:
+                return False
+            return self._compact()
         return self._append(payload) or self._compact()
 
     def _append(self, payload: bytes) -> bool:
@@ -250,10 +282,10 @@ class Writer:
         target = 1 - self._active if self._active in (0, 1) else 0
         self._epoch += 1
         self._active, self._pos, self._seq = target, 0, 0
-        snapshot = encode_entries((r.tier, k, r.values) for k, r in self.state.items())
+        snapshot = encode_entries(self._live())
         fits = self._append(snapshot) if snapshot else True
         self.disabled = not fits
-        self._disabled_at = len(self.state) if self.disabled else 0
+        self._disabled_at, self._pending_at_disable = len(snapshot), 0
         self._write_header(NO_HALF if self.disabled else target)
         self.compactions += 1
         return fits

@@ -15,10 +15,11 @@ disabled``) and the worker goes on; it is enabled again once a snapshot fits.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from kvcr.guard import journal
-from kvcr.runtime.index import Block, BlockIndex
+from kvcr.runtime.index import Block, BlockIndex, BlockState
 from kvcr.types import BlockKey, RecoveryMirrorError
 
 
@@ -34,15 +35,23 @@ class Mirror:
         if self._writer.disabled:
             self._disabled()
 
+    def _live(self) -> Iterator[journal.Entry]:
+        ready = BlockState.READY
+        for key, block in self._index.blocks.items():
+            if block.state is ready:
+                yield (journal.PUT_G2, key, block.slots)
+        for key, residency in self._kept.items():
+            yield (residency.tier, key, residency.values)
+
     @property
     def fill_percent(self) -> float:
         return 100.0 * self._writer.fill
 
     def put(self, key: BlockKey, slots: tuple[int, ...]) -> None:
-        if len(key) > journal.MAX_KEY:
-            self._cannot_describe(key)
-            return
-        self._writer.put(key, slots)
+        try:
+            self._writer.put(key, slots)
+        except RecoveryMirrorError as exc:
+            self._cannot_describe(exc)
 
     def remove(self, key: BlockKey) -> None:
         self._writer.remove(key)
@@ -59,7 +68,7 @@ class Mirror:
         self.log.error(
             "KVCR pool recovery disabled",
             group=self.group,
-            blocks=len(self._writer.state),
+            blocks=len(self._index.blocks),
             reason="the journal cannot hold a snapshot of the live state",
         )
 
@@ -85,8 +94,7 @@ class Mirror:
 def recover(
     index: BlockIndex, buf: memoryview, log: Any
 ) -> tuple[list[Block], dict[BlockKey, journal.Residency]]:
-    """Replay ``buf`` into ``index``: the blocks restored, and the state the mirror starts
-    from (those blocks plus the G3 records)."""
+    """Replay ``buf`` into ``index``: the blocks restored, and the G3 records kept aside."""
     replay = journal.read(buf)
     capacities = [pool.capacity for pool in index.pools]
     taken: list[set[int]] = [set() for _ in capacities]
@@ -108,12 +116,11 @@ def recover(
         for slot, seen in zip(slots, taken):
             seen.add(slot)
         records.append((key, slots))
-        kept[key] = residency
     blocks = index.restore(records)
     log.info(
         "recovered",
         blocks=len(blocks),
-        g3_records=sum(1 for r in kept.values() if r.tier == journal.PUT_G3),
+        g3_records=len(kept),
         skipped=skipped,
         epoch=replay.epoch,
         frames=replay.frames,

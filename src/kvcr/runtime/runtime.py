@@ -203,10 +203,10 @@ class Runtime:
 
     def _start_warm(self, local: LocalG2, buf: memoryview) -> None:
         """Recover the blocks the group's journal holds, then mirror changes into it."""
-        blocks, state = recover(self.index, buf, self.log)
+        blocks, kept = recover(self.index, buf, self.log)
         for block in blocks:
             self.index.rescore(block, local.score(block))
-        self.mirror = Mirror(buf, state, self.group, self.log)
+        self.mirror = Mirror(buf, self.index, kept, self.group, self.log)
         self.index.journal = self.mirror
         if blocks:
             keys = tuple(block.key for block in blocks)
