@@ -25,10 +25,17 @@ from kvcr.types import BlockKey, RecoveryMirrorError
 
 class Mirror:
     def __init__(
-        self, buf: memoryview, state: dict[BlockKey, journal.Residency], group: int | None, log: Any
-    ):
+        self,
+        buf: memoryview,
+        index: BlockIndex,
+        kept: dict[BlockKey, journal.Residency],
+        group: int | None,
+        log: Any,
+    ) -> None:
         self._buf = buf
-        self._writer = journal.Writer(buf, state)
+        self._index = index
+        self._kept = kept  # G3 records, handed on untouched until the file tier takes them
+        self._writer = journal.Writer(buf, self._live)
         self.group = group
         self.log = log
         self._warned_keys = False
@@ -54,7 +61,10 @@ class Mirror:
             self._cannot_describe(exc)
 
     def remove(self, key: BlockKey) -> None:
-        self._writer.remove(key)
+        try:
+            self._writer.remove(key)
+        except RecoveryMirrorError:
+            pass  # never put either
 
     def flush(self) -> None:
         was = self._writer.disabled
@@ -72,17 +82,11 @@ class Mirror:
             reason="the journal cannot hold a snapshot of the live state",
         )
 
-    def _cannot_describe(self, key: BlockKey) -> None:
+    def _cannot_describe(self, exc: RecoveryMirrorError) -> None:
+        # That block is simply not recoverable; say so once, not once per block.
         if not self._warned_keys:
             self._warned_keys = True
-            self.log.warning(
-                "recovery_mirror_skipped",
-                error=str(
-                    RecoveryMirrorError(
-                        f"a key of {len(key)} bytes exceeds the journal's {journal.MAX_KEY}"
-                    )
-                ),
-            )
+            self.log.warning("recovery_mirror_skipped", error=str(exc))
 
     def close(self) -> None:
         """Publish what is buffered and let go of the journal's memory."""
