@@ -15,6 +15,7 @@ disabled``) and the worker goes on; it is enabled again once a snapshot fits.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -61,10 +62,8 @@ class Mirror:
             self._cannot_describe(exc)
 
     def remove(self, key: BlockKey) -> None:
-        try:
+        with contextlib.suppress(RecoveryMirrorError):  # then it was never put either
             self._writer.remove(key)
-        except RecoveryMirrorError:
-            pass  # never put either
 
     def flush(self) -> None:
         was = self._writer.disabled
