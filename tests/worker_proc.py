@@ -90,6 +90,7 @@ def main() -> None:
         "hold_pins": lambda hold: setattr(pins, "hold_back", hold),
         "pin_state": pin_state,
         "claims": lambda k: kv._runtime.index.get(key(k)).claims,
+        "query": lambda ks: [status.name for status, _ in kv.query([key(k) for k in ks])],
         "get_stats": lambda: None,
     }
     try:

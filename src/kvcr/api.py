@@ -29,6 +29,7 @@ from kvcr.config import (
     validate_pools_against_layouts,
     validate_setup,
 )
+from kvcr.control_channels import endpoint_host
 from kvcr.errors import KVCRServiceError
 from kvcr.guard.client import KVCRClient, KVCRPoolHold
 from kvcr.hints import HintBook, parse_router_hint
@@ -142,6 +143,25 @@ class KVCR:
             self._give_back_pools(activated=False)
             raise
 
+    @classmethod
+    def _over_journal(
+        cls,
+        config: KVCRConfig,
+        bindings: KVCRBindings,
+        backend_configs: KVCRBackendConfigs,
+        journal: memoryview,
+        group: int,
+    ) -> KVCR:
+        """An instance whose pools (``backend_configs.local_dram``) belong to a pool group
+        whose recovery journal is ``journal``: it starts warm from it and mirrors into it.
+        The guard service serves a dead worker's group this way."""
+        self = cls.__new__(cls)
+        self._hold = None
+        self._group_journal = (journal, group)
+        self._setup(config, bindings, backend_configs, None, self._nixl_factory)
+        self._start_thread()
+        return self
+
     # -- construction ----------------------------------------------------------------------
 
     def _setup(
@@ -154,6 +174,7 @@ class KVCR:
     ) -> None:
         self._closed = True  # until the runtime runs
         self._hold = None
+        journal, group = getattr(self, "_group_journal", (None, None))
         validate_setup(config, backend_configs, guard_config)
         if not isinstance(bindings, KVCRBindings):
             raise ValueError(
@@ -216,8 +237,8 @@ class KVCR:
             remote_options=backend_configs.remote_fw_dram,
             op_ids=lambda: next(self._op_ids),
             log=self._log,
-            journal=self._hold.journal_buffer() if self._hold is not None else None,
-            group=self._hold.guard_index if self._hold is not None else None,
+            journal=self._hold.journal_buffer() if self._hold is not None else journal,
+            group=self._hold.guard_index if self._hold is not None else group,
         )
         self._view = self._runtime.index.view
         self._outbox = self._runtime.outbox
@@ -249,13 +270,15 @@ class KVCR:
                 f"ZmqPeerControlChannel; got {type(channel).__name__}"
             )
         host, port = channel.control_bind_address()
-        self._hold = KVCRClient(guard.kvcr_service_socket_path).claim(
+        endpoint = getattr(channel, "endpoint", None)
+        self._hold = KVCRClient(guard.kvcr_service_socket_path)._claim(
             guard.guard_index,
             config.pool_layouts,
             guard.compatibility_digest,
             (host, port),
             g3=backend_configs.g3,
             remote_fw_dram_backend=backend_configs.remote_fw_dram.backend,
+            advertise=endpoint_host(endpoint) if isinstance(endpoint, str) else None,
         )
         self._hold.hand_listener_to(channel.adopt_listener)
         validate_pools_against_layouts(config.pool_layouts, self._hold.local_dram)

@@ -66,6 +66,13 @@ def _parse_tcp_endpoint(endpoint: object) -> bool:
     return bool(sep and host and host != "*" and port.isdigit() and _valid_port(int(port)))
 
 
+def endpoint_host(endpoint: str) -> str | None:
+    """The host of ``tcp://host:port`` (IPv6 brackets removed); None if it is not one."""
+    if not _parse_tcp_endpoint(endpoint):
+        return None
+    return endpoint[len("tcp://") :].rpartition(":")[0].strip("[]")
+
+
 class ZmqPeerControlChannel:
     """One ROUTER to receive on, one cached DEALER per remote endpoint to send with."""
 

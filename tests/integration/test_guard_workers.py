@@ -217,3 +217,40 @@ def test_the_heir_serves_recovered_blocks_to_peers_and_evicts_them_normally(guar
     finally:
         peer.close()
         heir.stop()
+
+
+# --- takeover: the service serves a dead worker's blocks until a replacement claims ---------------
+
+
+def test_the_guard_serves_a_dead_workers_blocks_until_a_replacement_takes_them_back(guard) -> None:
+    port = free_port()
+    dead = SourceWorker("a1", SIZES, port, guard=(guard.socket_path, 0, guard.digest))
+    sums = dead("deposit", [(k, k, 300 + k) for k in range(6)])
+    peer = GuardedWorker(guard, 1)
+    try:
+        assert peer.pull(dead, [(0, 0)], "req-before") == {key(0): "SUCCESS"}
+        dead.kill()
+        wait_until(lambda: guard.states()[0] == ("serving", None), what="takeover")
+
+        # The same endpoint, now served by the guard: every committed block, byte-exact,
+        # and nothing else (key 7 was never deposited).
+        result = peer.pull(dead, [(k, 10 + k) for k in (*range(6), 7)], "req-served")
+        assert result == {**{key(k): "SUCCESS" for k in range(6)}, key(7): "FAILED"}
+        for k in range(6):
+            assert peer.engine.checksum(10 + k) == sums[k][1]
+
+        heir = SourceWorker("a2", SIZES, port, guard=(guard.socket_path, 0, guard.digest))
+        try:
+            assert guard.states()[0] == ("held", heir.proc.pid)
+            assert heir("query", [*range(6), 7]) == ["HIT"] * 6 + ["MISS"]
+            result = peer.pull(heir, [(k, 20 + k) for k in range(6)], "req-heir")
+            assert set(result.values()) == {"SUCCESS"}
+            assert peer.engine.checksum(25) == sums[5][1]
+        finally:
+            heir.stop()
+        # A clean release leaves the group idle (standby), not served.
+        assert guard.states()[0] == ("idle", None)
+        log = guard.log()
+        assert "took_over" in log and "handed_back" in log
+    finally:
+        peer.close()

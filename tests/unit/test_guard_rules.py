@@ -33,8 +33,10 @@ def groups() -> Groups:
 
 def test_every_legal_move_is_in_the_table_and_anything_else_raises() -> None:
     assert TRANSITIONS == {
-        "idle": {"claim": "held"},
+        "idle": {"claim": "held", "takeover": "serving"},
         "held": {"release": "idle", "holder_exit": "idle"},
+        "serving": {"claim": "handing_back", "stop": "idle"},
+        "handing_back": {"handed_back": "held", "stop": "idle"},
     }
     events = {e for moves in TRANSITIONS.values() for e in moves}
     for state, moves in TRANSITIONS.items():
@@ -77,6 +79,19 @@ def test_claims_that_break_a_rule_are_refused_with_a_reason(
 ) -> None:
     refusal = groups.check_claim(request(**changes), peer)
     assert refusal is not None and refusal.code == code and text in refusal.message
+
+
+def test_a_served_group_is_claimable_and_handed_back_before_the_new_lease(groups) -> None:
+    first = groups.grant(request(), 5000)
+    groups.end_lease(0, first.number, "holder_exit")
+    groups.move(0, "takeover")
+    assert groups[0].state == "serving"
+    assert groups.check_claim(request(pid=7), 7) is None
+
+    groups.move(0, "claim")  # the service stops serving: handing back
+    assert groups.check_claim(request(pid=8), 8).code == "held"  # one claimant at a time
+    lease = groups.grant(request(pid=7), 5000)
+    assert groups[0].state == "held" and lease.pid == 7
 
 
 def test_a_held_group_is_refused_naming_the_holder(groups) -> None:

@@ -71,6 +71,27 @@ class KVCRClient:
         carry, KVCRGuardProtocolError when the service refuses (its message says why),
         KVCRSocketError when it cannot be reached in time.
         """
+        return self._claim(
+            guard_index,
+            pool_layouts,
+            compatibility_digest,
+            control_bind,
+            g3=g3,
+            remote_fw_dram_backend=remote_fw_dram_backend,
+        )
+
+    def _claim(
+        self,
+        guard_index: int,
+        pool_layouts: Sequence[tuple[str, int]],
+        compatibility_digest: str,
+        control_bind: tuple[str, int],
+        *,
+        g3: G3Options | None = None,
+        remote_fw_dram_backend: str = "UCX",
+        advertise: str | None = None,
+    ) -> KVCRPoolHold:
+        """:meth:`claim`, also telling the service the host peers reach the endpoint at."""
         try:
             host, port = control_bind
             request = wire.ClaimRequest(
@@ -82,6 +103,7 @@ class KVCRClient:
                 g3=None if g3 is None else _g3_description(g3),
                 remote_fw_dram_backend=remote_fw_dram_backend,
                 pid=os.getpid(),
+                control_advertise=advertise,
             )
         except (TypeError, ValueError) as exc:
             raise ValueError(f"KVCRClient.claim: {exc}") from None

@@ -227,6 +227,11 @@ class ClaimRequest:
     )
     remote_fw_dram_backend: str = attrs.field(validator=_str(1, MAX_BACKEND))
     pid: int = attrs.field(validator=_pid)
+    # The host peers reach the endpoint at, when it differs from (or is a wildcard for)
+    # control_host: the service advertises it when it serves the group itself.
+    control_advertise: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_str(1, MAX_HOST))
+    )
 
 
 @attrs.frozen

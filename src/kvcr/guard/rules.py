@@ -8,6 +8,10 @@ outlive any one worker; every later claim must present the same terms. The lease
 the holder releases it or when its process exits (the service learns that from the holder's
 pidfd; see :mod:`kvcr.guard.service`).
 
+When a holder *exits* (not when it releases), the service takes over: it serves the group's
+committed blocks to peers on the group's endpoint (``serving``) until a new claim arrives,
+then stops serving and hands the state back (``handing_back``) before the new lease starts.
+
 Every legal move of a group is in :data:`TRANSITIONS`; anything else is a bug and raises
 :class:`IllegalTransition`. A refused claim changes nothing.
 """
@@ -20,9 +24,12 @@ from kvcr.guard.protocol import ClaimRequest, G3Description, GroupStatus
 
 # state -> {event: next state}
 TRANSITIONS: dict[str, dict[str, str]] = {
-    "idle": {"claim": "held"},
+    "idle": {"claim": "held", "takeover": "serving"},
     "held": {"release": "idle", "holder_exit": "idle"},
+    "serving": {"claim": "handing_back", "stop": "idle"},
+    "handing_back": {"handed_back": "held", "stop": "idle"},
 }
+CLAIMABLE = ("idle", "serving")
 
 
 class IllegalTransition(RuntimeError):
@@ -45,6 +52,7 @@ class Terms:
     g3: G3Description | None
     backend: str
     control: tuple[str, int]  # as requested; port 0 = "any", then the bound port counts
+    advertise: str | None = None  # the host peers use, if the claimant said
 
 
 @attrs.frozen
@@ -71,8 +79,12 @@ class Group:
             ) from None
 
 
-def _same_control(terms: Terms, bound_port: int | None, host: str, port: int) -> bool:
+def _same_control(
+    terms: Terms, bound_port: int | None, host: str, port: int, advertise: str | None
+) -> bool:
     if host != terms.control[0]:
+        return False
+    if advertise is not None and terms.advertise is not None and advertise != terms.advertise:
         return False
     return port in (terms.control[1], bound_port) or (port == 0 and terms.control[1] == 0)
 
@@ -111,7 +123,7 @@ class Groups:
                 f"indices 0..{len(self.groups) - 1}",
             )
         group = self.groups[request.guard_index]
-        if group.state != "idle":
+        if group.state not in CLAIMABLE:
             holder = f" by pid {group.lease.pid}" if group.lease else ""
             return Refusal(
                 "held",
@@ -158,7 +170,7 @@ class Groups:
                 f"group's {terms.backend!r}",
             )
         host, port = request.control_host, request.control_port
-        if not _same_control(terms, group.control_port, host, port):
+        if not _same_control(terms, group.control_port, host, port, request.control_advertise):
             bound = f"{terms.control[0]}:{group.control_port}"
             return Refusal(
                 "control_mismatch",
@@ -167,20 +179,27 @@ class Groups:
         return None
 
     def grant(self, request: ClaimRequest, control_port: int) -> Lease:
-        """Lend the group (check_claim returned None); ``control_port`` is its bound listener."""
+        """Lend the group (check_claim returned None, and a serving group was handed back
+        first); ``control_port`` is its bound listener."""
         group = self.groups[request.guard_index]
-        group.move("claim")
+        group.move("handed_back" if group.state == "handing_back" else "claim")
         if group.terms is None:
             group.terms = Terms(
                 layouts=tuple(request.pool_layouts),
                 g3=request.g3,
                 backend=request.remote_fw_dram_backend,
                 control=(request.control_host, request.control_port),
+                advertise=request.control_advertise,
             )
         group.control_port = control_port
         group.lease = Lease(self._next_lease, request.pid)
         self._next_lease += 1
         return group.lease
+
+    def move(self, index: int, event: str) -> None:
+        """A move the service makes itself: ``takeover``, ``claim`` of a serving group (it
+        is being handed back), ``stop``."""
+        self.groups[index].move(event)
 
     def check_release(self, index: int, lease: int, peer_pid: int) -> Refusal | None:
         what = f"release of group {index} lease {lease}"

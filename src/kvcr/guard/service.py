@@ -35,9 +35,10 @@ import trio
 
 from kvcr.errors import KVCRMsgFramingError
 from kvcr.guard import protocol as wire
-from kvcr.guard.pools import GroupFile, create_group_file, plan_group, reclaim_orphans
+from kvcr.guard.pools import GroupFile, create_group_file, map_group, plan_group, reclaim_orphans
 from kvcr.guard.procs import PeerCred, claimant_pidfd, close_quietly, peer_cred
 from kvcr.guard.rules import Groups, Lease, Refusal
+from kvcr.guard.serving import CannotServe, GroupServer
 
 MAX_CONNECTIONS = 256
 CONTROL_BACKLOG = 128
@@ -59,12 +60,15 @@ class ServiceConfig:
 
 
 class Guard:
-    """One pool group: its file, its control listener (bound on the first claim, kept for
-    the group's life) and the watch on the current holder's pidfd."""
+    """One pool group: its file and mapping, its control listener (bound on the first claim,
+    kept for the group's life), the watch on the current holder's pidfd, and, after a
+    holder died, the server of its committed blocks."""
 
     def __init__(self, index: int, file: GroupFile, groups: Groups, log: Any) -> None:
         self.index = index
         self.file = file
+        self.mapping = map_group(file.fd, file.layout)
+        self.server: GroupServer | None = None
         self.groups = groups
         self.log = log.bind(group=index)
         self.lock = trio.Lock()  # one claim of this group at a time, across awaits
@@ -106,24 +110,59 @@ class Guard:
 
     async def run(self) -> None:
         async for lease, pidfd in self._leases:
+            exited = False
             try:
                 with trio.CancelScope() as scope:
                     self._watch = (lease.number, scope)
                     current = self.groups[self.index].lease
                     if current is not None and current.number == lease.number:
                         await trio.lowlevel.wait_readable(pidfd)
-                        if self.groups.end_lease(self.index, lease.number, "holder_exit"):
-                            self.log.info(
-                                "lease_ended", lease=lease.number, pid=lease.pid, reason="exited"
-                            )
+                        exited = self.groups.end_lease(self.index, lease.number, "holder_exit")
             finally:
                 self._watch = None
                 close_quietly(pidfd)
+            if exited:
+                self.log.info("lease_ended", lease=lease.number, pid=lease.pid, reason="exited")
+                async with self.lock:
+                    await self._take_over()
+
+    async def _take_over(self) -> None:
+        """Serve the dead holder's committed blocks on the group's endpoint. A failure here
+        fails the Guard (and so the service); a group that cannot be served at all (no
+        address peers could use) just stays idle."""
+        group = self.groups[self.index]
+        if group.state != "idle" or group.terms is None or self.listener is None:
+            return
+        started = trio.current_time()
+        try:
+            self.server = await trio.to_thread.run_sync(
+                GroupServer.start, self.index, group.terms, self.mapping, self.listener, self.log
+            )
+        except CannotServe as exc:
+            self.log.warning("not_serving", reason=str(exc))
+            return
+        self.groups.move(self.index, "takeover")
+        self.log.info("took_over", seconds=round(trio.current_time() - started, 6))
+
+    async def hand_back(self) -> None:
+        """A claim arrived for the group this Guard serves: stop serving first (the journal
+        then holds what the server held, for the claimant to recover)."""
+        self.groups.move(self.index, "claim")
+        started = trio.current_time()
+        server, self.server = self.server, None
+        if server is not None:
+            await trio.to_thread.run_sync(server.close)
+        self.log.info("handed_back", seconds=round(trio.current_time() - started, 6))
 
     def close(self) -> None:
+        """Blocking: stop serving, close the listener, unmap, remove the group file."""
+        server, self.server = self.server, None
+        if server is not None:
+            server.close()
         if self.listener is not None:
             self.listener.close()
             self.listener = None
+        self.mapping.close()
         self.file.close(unlink=True)
 
 
@@ -399,9 +438,13 @@ class GuardService:
                 async with guard.lock:  # binding the listener awaits: one claim at a time
                     refusal = self.groups.check_claim(request, cred.pid)
                     if refusal is None:
+                        if self.groups[guard.index].state == "serving":
+                            await guard.hand_back()
                         refusal = await self._lend(conn, log, guard, request, pidfd)
                         if refusal is None:
                             pidfd = -1  # the Guard owns it now
+                        elif self.groups[guard.index].state == "handing_back":
+                            self.groups.move(guard.index, "stop")
             if refusal is not None:
                 await self._refuse(conn, log, refusal, [])
         finally:

@@ -138,8 +138,9 @@ class Source:
             self.log.exception("source_job_failed", req=msg.req, error=repr(exc))
             self._end_job(job, "the source failed to prepare the write")
             return
-        if len(wanted) == len(msg.keys):
-            # Everything is in local G2: write now, without a task hop (~100 µs).
+        if len(wanted) == len(msg.keys) or not self.memory.regions:
+            # Everything is in local G2, or there is no engine memory to pin the rest from
+            # (the guard serving a dead worker's pools): write now, without a task hop.
             self._post(job, wanted)
             return
         assert self.net.nursery is not None
