@@ -69,6 +69,13 @@ def main() -> None:
             k: (entries[key(k)].status.value, engine.checksum(element)) for k, element, _ in items
         }
 
+    def deposit_nowait(items: list[tuple[int, int, int]]) -> dict[int, list[int]]:
+        """Start a deposit and return at once with the checksums of what it copies."""
+        for _k, element, seed in items:
+            engine.write(element, seed)
+        kv.deposit({key(k): engine.refs(element) for k, element, _ in items})
+        return {k: engine.checksum(element) for k, element, _ in items}
+
     def engine_has(items: list[tuple[int, int, int]]) -> dict[int, list[int]]:
         for k, element, seed in items:
             engine.write(element, seed)
@@ -86,6 +93,7 @@ def main() -> None:
     commands = {
         "endpoint": lambda: channel.endpoint,
         "deposit": deposit,
+        "deposit_nowait": deposit_nowait,
         "engine_has": engine_has,
         "hold_pins": lambda hold: setattr(pins, "hold_back", hold),
         "pin_state": pin_state,
