@@ -80,7 +80,7 @@ def test_a_key_the_journal_cannot_hold_is_served_but_not_recoverable() -> None:
     block = idx.add_filling(b"x" * 70000, now=0.0)
     with capture_events() as events:
         idx.commit(block, score=0.0)
-    idx.flush_journal()
+        idx.flush_journal()
     assert idx.get(b"x" * 70000).state is BlockState.READY
     assert journal.read(buf).state == {}
     assert [e["event"] for e in events] == ["recovery_mirror_skipped"]

@@ -226,6 +226,8 @@ class Writer:
         self._disabled_at = 0  # snapshot bytes that did not fit
         self._pending_at_disable = 0
         self.compactions = 0
+        self.refused = 0
+        self.last_refusal: RecoveryMirrorError | None = None
         self._compact()
 
     @property
@@ -234,16 +236,25 @@ class Writer:
         return 1.0 if self.disabled else self._pos / self.half
 
     def put(self, key: bytes, values: tuple[int, ...], tier: int = PUT_G2) -> None:
-        """Record ``key`` at ``values``; a key the journal cannot describe (over 65,535
-        bytes, over 255 values) raises RecoveryMirrorError and records nothing."""
-        shape = (len(key), len(values))
-        entry = _ENTRIES.get(shape) or _entry_struct(*shape)
-        self._pending += entry.pack(tier, shape[0], key, shape[1], *values)
+        """Record ``key`` at ``values``. A key the journal cannot describe (over 65,535
+        bytes, over 255 values) is not recorded: it is counted in ``refused`` (and
+        ``last_refusal`` says why), and simply not recoverable."""
+        entry = _ENTRIES.get((len(key), len(values))) or self._refuse(len(key), len(values))
+        if entry is not None:
+            self._pending += entry.pack(tier, len(key), key, len(values), *values)
 
     def remove(self, key: bytes) -> None:
-        shape = (len(key), 0)
-        entry = _ENTRIES.get(shape) or _entry_struct(*shape)
-        self._pending += entry.pack(REMOVE, shape[0], key, 0)
+        entry = _ENTRIES.get((len(key), 0)) or self._refuse(len(key), 0)
+        if entry is not None:
+            self._pending += entry.pack(REMOVE, len(key), key, 0)
+
+    def _refuse(self, key_len: int, count: int) -> struct.Struct | None:
+        try:
+            return _entry_struct(key_len, count)
+        except RecoveryMirrorError as exc:
+            self.refused += 1
+            self.last_refusal = exc
+            return None
 
     def flush(self) -> bool:
         if not self._pending:

@@ -15,16 +15,19 @@ disabled``) and the worker goes on; it is enabled again once a snapshot fits.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from typing import Any
 
 from kvcr.guard import journal
 from kvcr.runtime.index import Block, BlockIndex, BlockState
-from kvcr.types import BlockKey, RecoveryMirrorError
+from kvcr.types import BlockKey
 
 
-class Mirror:
+class Mirror(journal.Writer):
+    """The journal writer of a worker's index: snapshots come from the index (plus the G3
+    records kept aside); flushes log when recovery gets disabled or enabled again, and the
+    first key the journal cannot describe."""
+
     def __init__(
         self,
         buf: memoryview,
@@ -33,14 +36,14 @@ class Mirror:
         group: int | None,
         log: Any,
     ) -> None:
-        self._buf = buf
+        self._source = buf
         self._index = index
         self._kept = kept  # G3 records, handed on untouched until the file tier takes them
-        self._writer = journal.Writer(buf, self._live)
         self.group = group
         self.log = log
-        self._warned_keys = False
-        if self._writer.disabled:
+        self._warned = 0
+        super().__init__(buf, self._live)
+        if self.disabled:
             self._disabled()
 
     def _live(self) -> Iterator[journal.Entry]:
@@ -53,25 +56,20 @@ class Mirror:
 
     @property
     def fill_percent(self) -> float:
-        return 100.0 * self._writer.fill
+        return 100.0 * self.fill
 
-    def put(self, key: BlockKey, slots: tuple[int, ...]) -> None:
-        try:
-            self._writer.put(key, slots)
-        except RecoveryMirrorError as exc:
-            self._cannot_describe(exc)
-
-    def remove(self, key: BlockKey) -> None:
-        with contextlib.suppress(RecoveryMirrorError):  # then it was never put either
-            self._writer.remove(key)
-
-    def flush(self) -> None:
-        was = self._writer.disabled
-        ok = self._writer.flush()
+    def flush(self) -> bool:
+        was = self.disabled
+        ok = super().flush()
         if not ok and not was:
             self._disabled()
         elif ok and was:
             self.log.warning("KVCR pool recovery enabled again", group=self.group)
+        if self.refused and not self._warned:
+            # Those blocks are simply not recoverable; say so once, not once per block.
+            self._warned = self.refused
+            self.log.warning("recovery_mirror_skipped", error=str(self.last_refusal))
+        return ok
 
     def _disabled(self) -> None:
         self.log.error(
@@ -81,17 +79,11 @@ class Mirror:
             reason="the journal cannot hold a snapshot of the live state",
         )
 
-    def _cannot_describe(self, exc: RecoveryMirrorError) -> None:
-        # That block is simply not recoverable; say so once, not once per block.
-        if not self._warned_keys:
-            self._warned_keys = True
-            self.log.warning("recovery_mirror_skipped", error=str(exc))
-
     def close(self) -> None:
         """Publish what is buffered and let go of the journal's memory."""
         self.flush()
-        self._writer = None  # type: ignore[assignment]
         self._buf.release()
+        self._source.release()
 
 
 def recover(
