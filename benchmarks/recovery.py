@@ -315,7 +315,7 @@ def bench_takeover(rows: list[Row], nblocks: int, reps: int, quiet: bool) -> Non
 def main(argv: list[str] | None = None) -> int:
     args = arguments(__doc__.split("\n\n")[0], "fewer repetitions (~30 s)", argv)
     quiet = args.json_only
-    reps, rounds, warm_reps = (10, 2, 3) if args.quick else (40, 4, 7)
+    reps, rounds, warm_reps = (10, 2, 3) if args.quick else (100, 6, 7)
     started = time.monotonic()
     rows: list[Row] = []
     bench_deposit(rows, "16 x 7 MiB", 7 * MIB, 16, max(reps // 4, 5), rounds, True, quiet)

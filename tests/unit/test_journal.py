@@ -241,3 +241,41 @@ def test_a_truncated_or_zeroed_tail_keeps_only_whole_frames(ops_list, length) ->
     buf, states = run(ops_list, [])
     buf[length:] = bytes(SIZE - length)
     assert read(buf).state in [*states, {}]
+
+
+@SETTINGS
+@given(
+    batches=st.lists(
+        st.tuples(
+            st.sampled_from([PUT_G2, PUT_G3, journal.REMOVE]),
+            st.lists(st.integers(0, 60), min_size=1, max_size=20, unique=True),
+            st.integers(1, 3),
+        ),
+        max_size=30,
+    )
+)
+def test_batches_replay_like_the_same_changes_one_by_one(batches) -> None:
+    one, many = bytearray(SIZE), bytearray(SIZE)
+    w1, w2 = Writer(one, list), Writer(many, list)
+    for op, ks, count in batches:
+        keys = [b"key-%02d" % k for k in ks]
+        if op == journal.REMOVE:
+            for k in keys:
+                w1.remove(k)
+            w2.remove_batch(keys)
+        else:
+            values = [tuple(range(k, k + count)) for k in ks]
+            for k, v in zip(keys, values):
+                w1.put(k, v, op)
+            w2.put_batch(keys, values, op)
+        assert w1.flush() and w2.flush()
+    assert read(one).state == read(many).state
+
+
+def test_keys_of_mixed_lengths_in_a_batch_are_published_one_by_one() -> None:
+    buf = bytearray(SIZE)
+    w = Writer(buf, list)
+    w.put_batch([b"a", b"bb", b"ccc"], [(1,), (2,), (3,)])
+    w.remove_batch([b"a", b"ccc"])
+    w.flush()
+    assert read(buf).state == {b"bb": g2(2)}

@@ -27,12 +27,18 @@ the snapshot does not fit, recovery is disabled (a header with no active half) u
 state shrinks enough for a snapshot to fit again.
 
 Payload entries: ``op u8 | key length u16 | key | count u8 | count x u64``: ``op`` 1 puts the
-key in G2 slots (one per pool), 2 removes it, 3 puts it in G3 (the values say where).
+key in G2 slots (one per pool), 2 removes it, 3 puts it in G3 (the values say where). A
+batch of same-shaped changes is one entry: ``4 u8 | op u8 | n u32 | key length u16 | count
+u8 | n keys | n x count x u64`` (joined keys and one array of values: no per-key framing, so
+that publishing a deposit of hundreds of blocks costs little more than one entry).
 """
 
 from __future__ import annotations
 
+import array
+import itertools
 import struct
+import sys
 import zlib
 from collections.abc import Callable, Iterable
 
@@ -50,7 +56,8 @@ DATA_START = 2 * HEADER_SLOT
 FRAME_HEAD = struct.Struct("<IIQQ")  # magic, payload length, epoch, seq
 CRC = struct.Struct("<I")
 ENTRY_HEAD = struct.Struct("<BH")
-PUT_G2, REMOVE, PUT_G3 = 1, 2, 3
+PUT_G2, REMOVE, PUT_G3, BATCH = 1, 2, 3, 4
+BATCH_HEAD = struct.Struct("<BBIHB")  # BATCH, op, n, key length, values per key
 MAX_KEY = 0xFFFF
 MAX_VALUES = 0xFF
 
@@ -120,6 +127,11 @@ def apply_payload(state: dict[bytes, Residency], payload: bytes | memoryview) ->
     changes: list[tuple[int, bytes, tuple[int, ...]]] = []
     pos, end = 0, len(payload)
     while pos < end:
+        if payload[pos] == BATCH:
+            pos = _read_batch(payload, pos, end, changes)
+            if pos < 0:
+                return False
+            continue
         if pos + ENTRY_HEAD.size > end:
             return False
         op, klen = ENTRY_HEAD.unpack_from(payload, pos)
@@ -140,6 +152,43 @@ def apply_payload(state: dict[bytes, Residency], payload: bytes | memoryview) ->
         else:
             state[key] = Residency(op, values)
     return True
+
+
+def _read_batch(
+    payload: bytes | memoryview, pos: int, end: int, out: list[tuple[int, bytes, tuple[int, ...]]]
+) -> int:
+    """Decode the batch entry at ``pos`` into ``out``; the next position, or -1."""
+    if pos + BATCH_HEAD.size > end:
+        return -1
+    _, op, n, klen, count = BATCH_HEAD.unpack_from(payload, pos)
+    pos += BATCH_HEAD.size
+    keys_end = pos + n * klen
+    values_end = keys_end + 8 * n * count
+    if op not in (PUT_G2, REMOVE, PUT_G3) or (op == REMOVE) != (count == 0) or values_end > end:
+        return -1
+    values = struct.unpack_from(f"<{n * count}Q", payload, keys_end)
+    for i in range(n):
+        key = bytes(payload[pos + i * klen : pos + (i + 1) * klen])
+        out.append((op, key, tuple(values[i * count : (i + 1) * count])))
+    return values_end
+
+
+def encode_batch(op: int, keys: list[bytes], values: list[tuple[int, ...]] | None) -> bytes | None:
+    """One batch entry for ``keys`` (and their ``values``; None for removals), or None if
+    they do not share one shape (then encode them one by one)."""
+    n = len(keys)
+    klens = set(map(len, keys))
+    counts = {0} if values is None else set(map(len, values))
+    if len(klens) != 1 or len(counts) != 1:
+        return None
+    (klen,), (count,) = klens, counts
+    if klen > MAX_KEY or count > MAX_VALUES or (op == REMOVE) != (count == 0):
+        return None
+    flat = () if values is None else (values if count == 1 else itertools.chain(*values))
+    packed = array.array("Q", [v[0] for v in flat] if count == 1 else flat)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return BATCH_HEAD.pack(BATCH, op, n, klen, count) + b"".join(keys) + packed.tobytes()
 
 
 def _layout(size: int) -> int:
@@ -247,6 +296,26 @@ class Writer:
         entry = _ENTRIES.get((len(key), 0)) or self._refuse(len(key), 0)
         if entry is not None:
             self._pending += entry.pack(REMOVE, len(key), key, 0)
+
+    def put_batch(
+        self, keys: list[bytes], values: list[tuple[int, ...]], tier: int = PUT_G2
+    ) -> None:
+        """:meth:`put` for many keys at once (one entry when they share a shape)."""
+        entry = encode_batch(tier, keys, values)
+        if entry is None:
+            for key, vals in zip(keys, values):
+                self.put(key, vals, tier)
+        else:
+            self._pending += entry
+
+    def remove_batch(self, keys: list[bytes]) -> None:
+        """:meth:`remove` for many keys at once."""
+        entry = encode_batch(REMOVE, keys, None)
+        if entry is None:
+            for key in keys:
+                self.remove(key)
+        else:
+            self._pending += entry
 
     def _refuse(self, key_len: int, count: int) -> struct.Struct | None:
         try:

@@ -83,9 +83,9 @@ class Block:
 class JournalSink(Protocol):
     """Where committed residency changes go (the guard's recovery journal)."""
 
-    def put(self, key: BlockKey, slots: tuple[int, ...]) -> None: ...
-    def remove(self, key: BlockKey) -> None: ...
-    def flush(self) -> None: ...
+    def committed(self, key: BlockKey, slots: tuple[int, ...]) -> None: ...
+    def removed(self, key: BlockKey) -> None: ...
+    def flush(self) -> object: ...
 
 
 class BlockIndex:
@@ -136,7 +136,7 @@ class BlockIndex:
         self.view[block.key] = HIT
         self.rescore(block, score)
         if self.journal is not None:
-            self.journal.put(block.key, block.slots)
+            self.journal.committed(block.key, block.slots)
 
     def flush_journal(self) -> None:
         if self.journal is not None:
@@ -167,7 +167,7 @@ class BlockIndex:
         self.view.pop(block.key, None)
         block.version += 1
         if block.state is BlockState.READY and self.journal is not None:
-            self.journal.remove(block.key)
+            self.journal.removed(block.key)
 
     def holds(self, block: Block) -> bool:
         return self.blocks.get(block.key) is block

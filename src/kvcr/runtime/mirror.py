@@ -42,6 +42,11 @@ class Mirror(journal.Writer):
         self.group = group
         self.log = log
         self._warned = 0
+        # Changes since the last flush, as one run of commits or one run of removals (the
+        # order between runs is kept): published as batch entries.
+        self._put_keys: list[BlockKey] = []
+        self._put_slots: list[tuple[int, ...]] = []
+        self._removed: list[BlockKey] = []
         super().__init__(buf, self._live)
         if self.disabled:
             self._disabled()
@@ -58,7 +63,27 @@ class Mirror(journal.Writer):
     def fill_percent(self) -> float:
         return 100.0 * self.fill
 
+    def committed(self, key: BlockKey, slots: tuple[int, ...]) -> None:
+        if self._removed:
+            self._drain()
+        self._put_keys.append(key)
+        self._put_slots.append(slots)
+
+    def removed(self, key: BlockKey) -> None:
+        if self._put_keys:
+            self._drain()
+        self._removed.append(key)
+
+    def _drain(self) -> None:
+        if self._put_keys:
+            self.put_batch(self._put_keys, self._put_slots)
+            self._put_keys, self._put_slots = [], []
+        if self._removed:
+            self.remove_batch(self._removed)
+            self._removed = []
+
     def flush(self) -> bool:
+        self._drain()
         was = self.disabled
         ok = super().flush()
         if not ok and not was:
