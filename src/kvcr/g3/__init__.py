@@ -1,0 +1,1 @@
+"""The G3 tier: local files behind the G2 pool."""

@@ -1,0 +1,231 @@
+"""The G3 file set: local files that hold evicted blocks, with integrity records.
+
+Every file of ``G3Options.paths`` is laid out as::
+
+    [file header (64 B) | slot records (64 B each) | pad to the page][slot 0][slot 1]...
+
+and is ``record area + capacity_bytes_per_file`` bytes long, created with its parents,
+reserved to its full size (a full disk fails at startup, not at the first spill), and held
+with an exclusive ``flock`` for the life of the process: a second process on the same path
+is refused. Slots are striped across the files (global slot ``i`` lives in file
+``i % nfiles``), so that consecutive slots spread over all disks.
+
+A slot's record says which key it holds (a 16-byte BLAKE2b digest of the key), in which
+*generation* (a number that grows with every store), and carries its own CRC; the data of a
+slot is trusted only while its record matches what the index expects. A file that was
+deleted, truncated, replaced by another file or zero-filled never yields a hit: the file
+checks (:meth:`G3Files.file_ok`) and the record checks (:meth:`G3Files.check`) catch each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import os
+import struct
+import zlib
+from pathlib import Path
+
+import attrs
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+FILE_MAGIC = 0x4B563346  # "KV3F"
+RECORD_MAGIC = 0x4B563352  # "KV3R"
+VERSION = 1
+FILE_HEADER = struct.Struct("<IIQQII")  # magic, version, block size, slots, index, nfiles
+RECORD = struct.Struct("<IQ16sI")  # magic, generation, key digest, data crc (0: none)
+RECORD_SIZE = 64
+CRC = struct.Struct("<I")
+
+
+class G3FileError(OSError):
+    """A G3 file cannot be used; the message names the file and the reason."""
+
+
+def key_digest(key: bytes) -> bytes:
+    return hashlib.blake2b(key, digest_size=16).digest()
+
+
+def record_area(slots_per_file: int) -> int:
+    """Bytes before the first slot of a file: header and records, rounded up to the page."""
+    size = RECORD_SIZE * (1 + slots_per_file)
+    return (size + PAGE - 1) // PAGE * PAGE
+
+
+@attrs.frozen
+class Record:
+    generation: int
+    digest: bytes
+    data_crc: int = 0
+
+
+def encode_record(record: Record) -> bytes:
+    body = RECORD.pack(RECORD_MAGIC, record.generation, record.digest, record.data_crc)
+    raw = body + CRC.pack(zlib.crc32(body))
+    return raw + bytes(RECORD_SIZE - len(raw))
+
+
+def decode_record(raw: bytes) -> Record | None:
+    """The record in ``raw`` (64 bytes), or None if it is empty, torn or not a record."""
+    if len(raw) < RECORD.size + CRC.size:
+        return None
+    body = raw[: RECORD.size]
+    (crc,) = CRC.unpack_from(raw, RECORD.size)
+    if zlib.crc32(body) != crc:
+        return None
+    magic, generation, digest, data_crc = RECORD.unpack(body)
+    if magic != RECORD_MAGIC or generation == 0:
+        return None
+    return Record(generation, digest, data_crc)
+
+
+@attrs.define(eq=False)
+class G3File:
+    path: Path
+    fd: int
+    index: int
+    slots: int
+    identity: tuple[int, int]  # (st_dev, st_ino) of the file we created or opened
+    size: int
+
+
+class G3Files:
+    """The open, locked, reserved files of one worker's G3 tier."""
+
+    def __init__(self, paths: tuple[Path, ...], capacity_bytes_per_file: int, block: int):
+        if capacity_bytes_per_file % block or block % PAGE:
+            raise ValueError(
+                f"G3: capacity {capacity_bytes_per_file} must be whole blocks of {block} bytes "
+                f"and blocks whole pages of {PAGE}"
+            )
+        self.block = block
+        self.slots_per_file = capacity_bytes_per_file // block
+        self.area = record_area(self.slots_per_file)
+        self.files: list[G3File] = []
+        try:
+            for index, path in enumerate(paths):
+                self.files.append(self._open(Path(path), index, len(paths)))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def capacity(self) -> int:
+        """Slots in the whole tier."""
+        return self.slots_per_file * len(self.files)
+
+    def place(self, slot: int) -> tuple[G3File, int]:
+        """The file holding global ``slot`` and the slot's byte offset in it."""
+        f = self.files[slot % len(self.files)]
+        return f, self.area + (slot // len(self.files)) * self.block
+
+    def record_offset(self, slot: int) -> tuple[G3File, int]:
+        f = self.files[slot % len(self.files)]
+        return f, RECORD_SIZE * (1 + slot // len(self.files))
+
+    # -- files -------------------------------------------------------------------------------
+
+    def _open(self, path: Path, index: int, nfiles: int) -> G3File:
+        size = self.area + self.slots_per_file * self.block
+        where = f"G3 file {path}"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            raise G3FileError(exc.errno, f"{where}: cannot open: {exc.strerror}") from None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise G3FileError(
+                    errno.EBUSY, f"{where}: another process holds it (one owner per file)"
+                ) from None
+            st = os.fstat(fd)
+            header = FILE_HEADER.pack(
+                FILE_MAGIC, VERSION, self.block, self.slots_per_file, index, nfiles
+            )
+            if st.st_size == 0:
+                self._reserve(fd, size, where)
+                os.pwrite(fd, header + CRC.pack(zlib.crc32(header)), 0)
+            elif st.st_size != size:
+                raise G3FileError(
+                    errno.EINVAL,
+                    f"{where}: existing file is {st.st_size} bytes, this configuration needs "
+                    f"{size} (capacity {self.slots_per_file * self.block} + {self.area} of records)",
+                )
+            elif not self._header_matches(fd, header):
+                # Another layout's file (or a zeroed one): start it over, trusting nothing in it.
+                os.pwrite(fd, bytes(self.area), 0)
+                os.pwrite(fd, header + CRC.pack(zlib.crc32(header)), 0)
+            return G3File(path, fd, index, self.slots_per_file, (st.st_dev, st.st_ino), size)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @staticmethod
+    def _reserve(fd: int, size: int, where: str) -> None:
+        vfs = os.fstatvfs(fd)
+        free = vfs.f_bavail * vfs.f_frsize
+        if size > free:
+            raise G3FileError(
+                errno.ENOSPC, f"{where}: cannot reserve {size} bytes, only {free} free"
+            )
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            os.ftruncate(fd, 0)
+            raise G3FileError(
+                exc.errno, f"{where}: cannot reserve {size} bytes: {exc.strerror}"
+            ) from None
+
+    @staticmethod
+    def _header_matches(fd: int, header: bytes) -> bool:
+        raw = os.pread(fd, len(header) + CRC.size, 0)
+        return raw == header + CRC.pack(zlib.crc32(header))
+
+    def file_ok(self, f: G3File) -> bool:
+        """False once the file was deleted, replaced at its path, or truncated."""
+        try:
+            st = os.fstat(f.fd)
+            at_path = os.stat(f.path)
+        except OSError:
+            return False
+        return (
+            st.st_nlink > 0
+            and st.st_size == f.size
+            and (at_path.st_dev, at_path.st_ino) == f.identity
+        )
+
+    # -- records -----------------------------------------------------------------------------
+
+    def write_record(self, slot: int, record: Record) -> None:
+        f, offset = self.record_offset(slot)
+        os.pwrite(f.fd, encode_record(record), offset)
+
+    def clear_record(self, slot: int) -> None:
+        f, offset = self.record_offset(slot)
+        os.pwrite(f.fd, bytes(RECORD_SIZE), offset)
+
+    def read_record(self, slot: int) -> Record | None:
+        f, offset = self.record_offset(slot)
+        return decode_record(os.pread(f.fd, RECORD_SIZE, offset))
+
+    def check(self, slot: int, key: bytes, generation: int) -> bool:
+        """True if ``slot`` still holds ``key`` as stored in ``generation``, in a sound file."""
+        f, _ = self.place(slot)
+        if not self.file_ok(f):
+            return False
+        record = self.read_record(slot)
+        return (
+            record is not None
+            and record.generation == generation
+            and record.digest == key_digest(key)
+        )
+
+    def close(self) -> None:
+        files, self.files = self.files, []
+        for f in files:
+            with contextlib.suppress(OSError):
+                os.close(f.fd)  # closing drops the lock

@@ -1,0 +1,138 @@
+"""G3 files: created and reserved with their parents, locked for one process, striped, and
+trusted slot by slot only while the file and the slot's record are what the index expects."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvcr.g3.files import (
+    PAGE,
+    G3FileError,
+    G3Files,
+    Record,
+    decode_record,
+    encode_record,
+    key_digest,
+    record_area,
+)
+
+BLOCK = PAGE * 2
+
+
+def files(tmp_path: Path, n: int = 2, slots: int = 8) -> G3Files:
+    return G3Files(tuple(tmp_path / f"d{i}" / "g3.bin" for i in range(n)), BLOCK * slots, BLOCK)
+
+
+def test_files_are_created_with_parents_reserved_and_striped(tmp_path) -> None:
+    g3 = files(tmp_path)
+    try:
+        assert g3.capacity == 16
+        for f in g3.files:
+            assert f.path.stat().st_size == record_area(8) + 8 * BLOCK
+            assert os.stat(f.path).st_blocks * 512 >= f.size  # allocated, not sparse
+            assert f.path.stat().st_mode & 0o777 == 0o600
+        assert [(g3.place(s)[0].index, g3.place(s)[1]) for s in range(4)] == [
+            (0, record_area(8)),
+            (1, record_area(8)),
+            (0, record_area(8) + BLOCK),
+            (1, record_area(8) + BLOCK),
+        ]
+    finally:
+        g3.close()
+
+
+def test_a_second_process_on_the_same_path_is_refused(tmp_path) -> None:
+    g3 = files(tmp_path, n=1)
+    try:
+        code = (
+            "import sys; from pathlib import Path; from kvcr.g3.files import G3Files\n"
+            f"G3Files((Path({str(g3.files[0].path)!r}),), {8 * BLOCK}, {BLOCK})"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=False
+        )
+        assert out.returncode != 0
+        assert "another process holds it" in out.stderr and str(g3.files[0].path) in out.stderr
+    finally:
+        g3.close()
+
+
+def test_an_existing_file_of_the_wrong_size_is_a_clear_error(tmp_path) -> None:
+    path = tmp_path / "g3.bin"
+    path.write_bytes(b"x" * 100)
+    with pytest.raises(G3FileError, match=rf"G3 file {path}: existing file is 100 bytes"):
+        G3Files((path,), 8 * BLOCK, BLOCK)
+
+
+def test_no_room_is_an_error_at_startup(tmp_path) -> None:
+    with pytest.raises(G3FileError, match="cannot reserve"):
+        G3Files((tmp_path / "huge.bin",), (1 << 50) // BLOCK * BLOCK, BLOCK)
+
+
+def test_records_round_trip_and_reject_anything_torn() -> None:
+    record = Record(generation=7, digest=key_digest(b"k"), data_crc=123)
+    raw = encode_record(record)
+    assert len(raw) == 64 and decode_record(raw) == record
+    assert decode_record(bytes(64)) is None
+    flipped = bytearray(raw)
+    flipped[5] ^= 1
+    assert decode_record(bytes(flipped)) is None
+
+
+def test_a_slot_is_trusted_only_with_its_key_and_generation(tmp_path) -> None:
+    g3 = files(tmp_path)
+    try:
+        g3.write_record(5, Record(3, key_digest(b"key")))
+        assert g3.check(5, b"key", 3)
+        assert not g3.check(5, b"key", 4)  # stored again since
+        assert not g3.check(5, b"other", 3)
+        assert not g3.check(4, b"key", 3)
+        g3.clear_record(5)
+        assert not g3.check(5, b"key", 3)
+    finally:
+        g3.close()
+
+
+@pytest.mark.parametrize("damage", ["delete", "truncate", "replace", "zero"])
+def test_a_damaged_file_never_yields_a_hit(tmp_path, damage) -> None:
+    g3 = files(tmp_path, n=1)
+    try:
+        g3.write_record(0, Record(1, key_digest(b"key")))
+        assert g3.check(0, b"key", 1)
+        path = g3.files[0].path
+        if damage == "delete":
+            path.unlink()
+        elif damage == "truncate":
+            os.truncate(path, 4096)
+        elif damage == "replace":
+            tmp = path.with_suffix(".new")
+            tmp.write_bytes(path.read_bytes())  # same bytes, another file
+            tmp.replace(path)
+        else:
+            with open(path, "r+b") as f:
+                f.write(bytes(g3.files[0].size))
+        assert not g3.check(0, b"key", 1)
+    finally:
+        g3.close()
+
+
+def test_reopening_keeps_records_of_the_same_layout_and_resets_another(tmp_path) -> None:
+    g3 = files(tmp_path, n=1)
+    g3.write_record(2, Record(9, key_digest(b"key")))
+    g3.close()
+    again = files(tmp_path, n=1)
+    try:
+        assert again.check(2, b"key", 9)
+    finally:
+        again.close()
+    # Same size, different stripe layout (2 files now): nothing in it is trusted.
+    other = G3Files((tmp_path / "d0" / "g3.bin", tmp_path / "d9" / "g3.bin"), BLOCK * 8, BLOCK)
+    try:
+        assert not other.check(4, b"key", 9) and other.read_record(4) is None
+    finally:
+        other.close()
