@@ -102,6 +102,7 @@ class GuardProcess:
         digest: str = "digest-1",
         extra: tuple[str, ...] = ("--idle-timeout-s", "0.5"),
         wait: bool = True,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.directory = Path(directory)
         self.socket_path = str(self.directory / "guard.sock")
@@ -126,7 +127,9 @@ class GuardProcess:
         ]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvcr.kvcr_service", *self.args], stderr=log
+                [sys.executable, "-m", "kvcr.kvcr_service", *self.args],
+                stderr=log,
+                env={**os.environ, **(env or {})},
             )
         self.client = KVCRClient(self.socket_path)
         self.client.timeout_s = 5.0
@@ -150,6 +153,10 @@ class GuardProcess:
 
     def states(self) -> list[tuple[str, int | None]]:
         return [(g.state, g.holder_pid) for g in self.client.status()]
+
+    def wait_free(self, index: int) -> None:
+        """Until nobody holds group ``index`` (it is then idle, or served by the guard)."""
+        wait_until(lambda: self.states()[index][1] is None, what=f"group {index} freed")
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         if self.proc.poll() is None:

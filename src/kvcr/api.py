@@ -559,7 +559,16 @@ class KVCR:
                 # A transfer may still touch the pools: keep them mapped and the lease held
                 # (it ends when the process exits).
                 self._log.error("pools_kept", reason="transfers in flight at close")
-            else:
+            elif self._hold is not None:
+                # The group's control listener belongs to the group: the next holder (or the
+                # guard) accepts on it once the lease is back, so this process must stop
+                # accepting first. Closing the channel is idempotent for its owner.
+                close_channel = getattr(self._bindings.framework_control, "close", None)
+                if callable(close_channel):
+                    try:
+                        close_channel()
+                    except Exception as exc:
+                        self._log.warning("control_channel_close_failed", error=repr(exc))
                 self._give_back_pools(activated=True)
             self._log.info("closed")
 

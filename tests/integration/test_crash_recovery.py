@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +18,7 @@ import pytest
 
 from guard_world import BLOCK, GuardedWorker
 from peer_world import key
-from procs import WORKER, GuardProcess, SourceWorker, free_port, wait_until
+from procs import GuardProcess, SourceWorker, free_port, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -34,9 +33,17 @@ def world(tmp_path_factory) -> Iterator[tuple[GuardProcess, GuardedWorker, int]]
     # "every committed block" is exact.
     guard = GuardProcess(tmp_path_factory.mktemp("crash"), pool_sizes_gb="0.03125")
     peer = GuardedWorker(guard, 1)
-    yield guard, peer, free_port()
+    port = free_port()
+    # Warm up: the first takeover starts the service's NIXL agent, which keeps a few fds.
+    first = SourceWorker("warm-up", SIZES, port, guard=(guard.socket_path, 0, guard.digest))
+    first.kill()
+    wait_until(lambda: guard.states()[0] == ("serving", None), what="first takeover")
+    SourceWorker("warm-up-2", SIZES, port, guard=(guard.socket_path, 0, guard.digest)).stop()
+    fds = len(os.listdir(f"/proc/{guard.proc.pid}/fd"))
+    yield guard, peer, port
     peer.close()
     assert guard.states() == [("idle", None), ("idle", None)]
+    assert len(os.listdir(f"/proc/{guard.proc.pid}/fd")) <= fds + 2  # no fd leaks per trial
     assert guard.stop() == 0, guard.log()
     assert list(guard.pool_dir.iterdir()) == []
 
@@ -51,6 +58,7 @@ class Ledger:
 
 
 LEDGER = Ledger()
+WORKERS: list[SourceWorker] = []
 
 
 def kill_somewhere(
@@ -109,6 +117,7 @@ def test_a_sigkilled_worker_loses_no_committed_block(world, trial) -> None:
     guard, peer, port = world
     rng = random.Random(7919 * trial)
     worker = SourceWorker(f"victim{trial}", SIZES, port, guard=(guard.socket_path, 0, guard.digest))
+    WORKERS.append(worker)
     point = kill_somewhere(rng, worker, peer, trial)
     wait_until(lambda: guard.states()[0] == ("serving", None), what=f"takeover after {point}")
 
@@ -120,6 +129,7 @@ def test_a_sigkilled_worker_loses_no_committed_block(world, trial) -> None:
     LEDGER.maybe.clear()
 
     heir = SourceWorker(f"heir{trial}", SIZES, port, guard=(guard.socket_path, 0, guard.digest))
+    WORKERS.append(heir)
     try:
         assert guard.states()[0] == ("held", heir.proc.pid)
         statuses = heir("query", keys)
@@ -134,7 +144,7 @@ def test_a_sigkilled_worker_loses_no_committed_block(world, trial) -> None:
 
 
 def test_no_worker_process_is_left_behind(world) -> None:
-    out = subprocess.run(["pgrep", "-f", str(WORKER)], check=False, capture_output=True, text=True)
-    assert out.stdout.strip() == "", f"stray workers: {out.stdout}"
+    assert len(WORKERS) == 2 * TRIALS
+    assert all(w.proc.poll() is not None for w in WORKERS)
     assert os.path.exists(world[0].socket_path)
     assert len(list(Path(world[0].pool_dir).iterdir())) == 2

@@ -133,7 +133,7 @@ def test_a_sigkilled_holder_frees_its_lease(guard) -> None:
 
     holder.kill()
 
-    wait_until(lambda: guard.states()[0] == ("idle", None), what="lease freed")
+    guard.wait_free(0)  # then the guard serves the group until somebody claims it
     claim(guard).release()
 
 
@@ -149,7 +149,7 @@ def test_closing_the_socket_or_exec_does_not_release_a_live_claimant(guard) -> N
         assert guard.states()[0] == ("held", holder.pid)
     finally:
         holder.close()  # the exec'd program exits when its stdin closes
-    wait_until(lambda: guard.states()[0] == ("idle", None), what="lease freed at exit")
+    guard.wait_free(0)
 
 
 def test_release_by_the_holder_waits_for_the_acknowledgement(guard) -> None:
@@ -445,8 +445,8 @@ def test_descriptors_on_a_request_that_takes_none_are_refused(guard) -> None:
     assert guard.states() == [("idle", None), ("idle", None)]
 
 
-def test_a_claim_with_a_descriptor_that_is_not_its_pidfd_is_refused(guard) -> None:
-    request = wire.ClaimRequest(
+def claim_request(guard: GuardProcess, pid: int) -> wire.ClaimRequest:
+    return wire.ClaimRequest(
         guard_index=0,
         pool_layouts=LAYOUT,
         compatibility_digest=guard.digest,
@@ -454,15 +454,76 @@ def test_a_claim_with_a_descriptor_that_is_not_its_pidfd_is_refused(guard) -> No
         control_port=0,
         g3=None,
         remote_fw_dram_backend="UCX",
-        pid=os.getpid() + 1,  # claims to be someone else
+        pid=pid,
     )
+
+
+def test_a_claim_for_another_pid_is_refused(guard) -> None:
     pidfd = os.pidfd_open(os.getpid())
     try:
-        reply = refusal(exchange(guard, wire.encode_frame(request), (pidfd,)))
+        reply = refusal(
+            exchange(guard, wire.encode_frame(claim_request(guard, os.getpid() + 1)), (pidfd,))
+        )
     finally:
         os.close(pidfd)
     assert "the connection is pid" in reply.message
     assert guard.states()[0] == ("idle", None)
+
+
+@pytest.fixture
+def no_peer_pidfd(tmp_path: Path) -> Iterator[GuardProcess]:
+    """A service acting as on kernels without SO_PEERPIDFD: the claimant's pidfd comes
+    attached to its request, and is checked."""
+    service = GuardProcess(tmp_path, env={"KVCR_GUARD_PEERPIDFD": "0"})
+    yield service
+    assert service.stop() == 0, service.log()
+
+
+def test_without_so_peerpidfd_the_attached_pidfd_fences_the_claim(no_peer_pidfd) -> None:
+    guard = no_peer_pidfd
+    holder = Claimant(guard)
+    assert guard.states()[0] == ("held", holder.pid)
+    holder.kill()
+    guard.wait_free(0)
+
+
+@pytest.mark.parametrize("attach", ["nothing", "a pipe", "two pidfds"])
+def test_without_so_peerpidfd_a_missing_or_wrong_descriptor_is_refused(
+    no_peer_pidfd, attach
+) -> None:
+    guard = no_peer_pidfd
+    frame = wire.encode_frame(claim_request(guard, os.getpid()))
+    r, w = os.pipe()
+    pidfds = [os.pidfd_open(os.getpid()) for _ in range(2)]
+    try:
+        fds = {"nothing": (), "a pipe": (r,), "two pidfds": tuple(pidfds)}[attach]
+        reply = refusal(exchange(guard, frame, fds))
+    finally:
+        for fd in (r, w, *pidfds):
+            os.close(fd)
+    expected = {
+        "nothing": "carries no pidfd",
+        "a pipe": "not a pidfd of the connecting process",
+        "two pidfds": "2 descriptors, at most 1",
+    }[attach]
+    assert expected in reply.message
+    assert guard.states()[0] == ("idle", None)
+
+
+def test_a_host_that_cannot_be_resolved_is_refused_naming_it(guard) -> None:
+    host = "a" * 70 + ".example"
+    with pytest.raises(KVCRGuardProtocolError, match=rf"\(control_unavailable\).*{host}"):
+        guard.client.claim(0, LAYOUT, guard.digest, (host, 0))
+    assert guard.states()[0] == ("idle", None)
+
+
+def test_an_unnamed_pool_beside_others_is_refused(tmp_path) -> None:
+    service = GuardProcess(tmp_path, pool_sizes_gb="0.0009765625,0.0009765625")
+    try:
+        with pytest.raises(KVCRGuardProtocolError, match=r"unnamed pool \(''\) must be the only"):
+            service.client.claim(0, [("", 4096), ("b", 4096)], service.digest, LOCAL)
+    finally:
+        assert service.stop() == 0
 
 
 def test_a_silent_claimant_is_dropped_and_does_not_block_others(guard) -> None:

@@ -100,3 +100,32 @@ def test_a_journal_too_small_for_the_live_state_disables_recovery_loudly() -> No
     disabled = [e for e in events if e["event"] == "KVCR pool recovery disabled"]
     assert disabled and disabled[0]["group"] == 5
     assert journal.read(buf).disabled and mirror.fill_percent == 100.0
+
+
+def test_a_removal_is_published_before_its_slot_is_handed_out_again() -> None:
+    idx = BlockIndex([SlotPool("", 4096, 1)])  # one slot: the next fill must reuse it
+    buf = memoryview(bytearray(SIZE))
+    idx.journal = Mirror(buf, idx, {}, group=0, log=LOG)
+    old = idx.add_filling(b"old", now=0.0)
+    idx.commit(old, score=0.0)
+    idx.flush_journal()
+    assert journal.read(buf).state == {b"old": journal.Residency(journal.PUT_G2, (0,))}
+
+    idx.remove(old)  # evicted: buffered, not flushed by anyone
+    new = idx.add_filling(b"new", now=0.0)  # the same slot, about to be rewritten
+
+    assert new.slots == old.slots
+    assert journal.read(buf).state == {}  # the journal no longer names it
+
+
+def test_the_journal_fill_level_is_a_state_gauge() -> None:
+    from kvcr.runtime.mirror import Mirror as M
+
+    idx = index()
+    mirror = M(memoryview(bytearray(SIZE)), idx, {}, group=0, log=LOG)
+    before = mirror.fill_percent
+    idx.journal = mirror
+    for i in range(8):
+        idx.commit(idx.add_filling(b"k%d" % i, now=0.0), score=0.0)
+    idx.flush_journal()
+    assert 0 <= before < mirror.fill_percent < 100

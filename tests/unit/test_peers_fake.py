@@ -274,6 +274,32 @@ async def test_a_pull_turned_away_by_a_restarted_source_is_asked_again_once(auto
             assert b.engine.checksum(10) == second.engine.checksum(0)
 
 
+async def test_a_late_message_of_a_replaced_incarnation_is_stale(autojump_clock):
+    world = World()
+    b = Worker(world, "b")
+    async with b.running():
+        first = Worker(world, "a")
+        async with first.running():
+            b.kv.submit_hint(b.hint(first, [0]), request_id="r")
+            await trio.sleep(0.01)
+        old = world.sent("hello_ack")[0]
+
+        second = Worker(world, "a")  # the successor at the same endpoint
+        async with second.running():
+            second.engine.write(0, seed=5)
+            await second.deposit([(0, 0)])
+            assert statuses(await b.deliver([(0, 10)])) == {key(0): "SUCCESS"}
+
+            # A message the dead process sent before it died, read only now: it must not
+            # make the link switch back to that process (and end the successor's pulls).
+            late = m.Over(old.sender, old.incarnation, 999, "late")
+            world.hub.channels[b.endpoint].send(b.endpoint, m.encode(late))
+            await trio.sleep(0.01)
+            b.kv.submit_hint(b.hint(second, [0]), request_id="r2")
+            assert statuses(await b.deliver([(0, 11)], request_id="r2")) == {key(0): "SUCCESS"}
+            assert len(world.sent("hello")) == 2  # no third greeting: no switch happened
+
+
 async def test_a_failed_remote_operation_marks_the_hint_failed(autojump_clock):
     world = World()
     a, b = Worker(world, "a"), Worker(world, "b")

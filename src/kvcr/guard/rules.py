@@ -140,6 +140,12 @@ class Groups:
                 f"{what}: {len(request.pool_layouts)} pool layout(s) given, the group has "
                 f"{len(sizes)} pool(s) of {list(sizes)} bytes",
             )
+        names = [name for name, _ in request.pool_layouts]
+        if "" in names and len(names) > 1:
+            return Refusal(
+                "layout_mismatch",
+                f"{what}: the unnamed pool ('') must be the only pool, layouts name {names}",
+            )
         for (name, block), size in zip(request.pool_layouts, sizes):
             if block > size:
                 return Refusal(

@@ -76,11 +76,17 @@ class Guard:
         # Unbounded, yet short: a lease is queued per grant and taken at the Guard's next turn.
         self._send, self._leases = trio.open_memory_channel[tuple[Lease, int]](math.inf)
         self._watch: tuple[int, trio.CancelScope] | None = None
+        # Set when a server of this group might still have a transfer reading its pools:
+        # lending the group again could let a new holder rewrite memory under it.
+        self.unusable: str | None = None
 
     async def control_listener(self, host: str, port: int) -> socket.socket:
         """The group's listening TCP socket, bound to (host, port) on first use."""
         if self.listener is None:
-            infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            try:
+                infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            except (UnicodeError, ValueError) as exc:  # e.g. an over-long label
+                raise OSError(f"bad host {host!r}: {exc}") from None
             family, kind, proto, _, address = infos[0]
             sock = socket.socket(family, kind, proto)
             try:
@@ -102,9 +108,9 @@ class Guard:
             close_quietly(pidfd)
             raise
 
-    def released(self, lease: int) -> None:
+    def released(self, lease: int, activated: bool = True) -> None:
         if self.groups.end_lease(self.index, lease, "release"):
-            self.log.info("lease_ended", lease=lease, reason="released")
+            self.log.info("lease_ended", lease=lease, reason="released", activated=activated)
         if self._watch is not None and self._watch[0] == lease:
             self._watch[1].cancel()
 
@@ -127,9 +133,9 @@ class Guard:
                     await self._take_over()
 
     async def _take_over(self) -> None:
-        """Serve the dead holder's committed blocks on the group's endpoint. A failure here
-        fails the Guard (and so the service); a group that cannot be served at all (no
-        address peers could use) just stays idle."""
+        """Serve the dead holder's committed blocks on the group's endpoint. If that is not
+        possible (no address peers could use, or the server fails to start), the group just
+        stays idle and claimable: serving is a bonus, fencing leases is what must not fail."""
         group = self.groups[self.index]
         if group.state != "idle" or group.terms is None or self.listener is None:
             return
@@ -141,29 +147,56 @@ class Guard:
         except CannotServe as exc:
             self.log.warning("not_serving", reason=str(exc))
             return
+        except Exception as exc:
+            self.log.error("takeover_failed", error=repr(exc))
+            return
         self.groups.move(self.index, "takeover")
         self.log.info("took_over", seconds=round(trio.current_time() - started, 6))
 
     async def hand_back(self) -> None:
         """A claim arrived for the group this Guard serves: stop serving first (the journal
-        then holds what the server held, for the claimant to recover)."""
+        then holds what the server held, for the claimant to recover). If the server could
+        not stop cleanly, the group becomes unusable instead (see ``unusable``)."""
         self.groups.move(self.index, "claim")
         started = trio.current_time()
         server, self.server = self.server, None
-        if server is not None:
-            await trio.to_thread.run_sync(server.close)
+        try:
+            clean = await trio.to_thread.run_sync(server.close) if server is not None else True
+        except Exception as exc:
+            clean, reason = False, f"its server failed to stop: {exc!r}"
+        else:
+            reason = "a transfer of its server may still read its pools"
+        if not clean:
+            self.unusable = reason
+            self.groups.move(self.index, "stop")
+            self.log.error("group_unusable", reason=reason)
+            return
         self.log.info("handed_back", seconds=round(trio.current_time() - started, 6))
 
     def close(self) -> None:
         """Blocking: stop serving, close the listener, unmap, remove the group file."""
         server, self.server = self.server, None
-        if server is not None:
-            server.close()
-        if self.listener is not None:
-            self.listener.close()
-            self.listener = None
-        self.mapping.close()
-        self.file.close(unlink=True)
+        try:
+            if server is not None:
+                server.close()
+        finally:
+            if self.listener is not None:
+                self.listener.close()
+                self.listener = None
+            try:
+                self.mapping.close()
+            finally:
+                self.file.close(unlink=True)
+
+
+def _usable(guard: Guard) -> Refusal | None:
+    if guard.unusable is None:
+        return None
+    return Refusal(
+        "held",
+        f"claim of group {guard.index}: the group cannot be lent again ({guard.unusable}); "
+        "restart the service to reuse it",
+    )
 
 
 class GuardService:
@@ -228,7 +261,11 @@ class GuardService:
                 ) from None
             except OSError as exc:
                 raise ServiceStartError(f"--pool-dir {cfg.pool_dir}: {exc}") from None
-            self.guards.append(Guard(index, group_file, self.groups, self.log))
+            try:
+                self.guards.append(Guard(index, group_file, self.groups, self.log))
+            except BaseException:
+                group_file.close(unlink=True)
+                raise
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             old_umask = os.umask(0o177)  # the socket is created 0600, never briefly wider
@@ -295,8 +332,8 @@ class GuardService:
         for guard in self.guards:
             try:
                 guard.close()
-            except OSError as exc:
-                self.log.warning("group_cleanup_failed", group=guard.index, error=str(exc))
+            except Exception as exc:  # the other groups are still cleaned up
+                self.log.warning("group_cleanup_failed", group=guard.index, error=repr(exc))
         self.guards.clear()
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # the lock file stays: unlinking it would race a new service
@@ -345,8 +382,12 @@ class GuardService:
         reader = wire.FrameReader()
         pending: list[int] = []  # descriptors received, not yet matched to a request
         try:
+            frame_deadline = math.inf
             while True:
-                with trio.move_on_after(self.config.idle_timeout_s) as idle:
+                # Idle between requests for at most the timeout, and a started frame must be
+                # complete within the timeout of its first byte: a trickle cannot hold a slot.
+                deadline = min(trio.current_time() + self.config.idle_timeout_s, frame_deadline)
+                with trio.move_on_at(deadline) as idle:
                     data, fds = await self._recv(conn)
                 if idle.cancelled_caught:
                     if reader.pending:
@@ -359,6 +400,11 @@ class GuardService:
                 for message in reader.feed(data):
                     attached, pending = pending, []
                     await self._handle(conn, cred, log, message, attached)
+                frame_deadline = (
+                    min(frame_deadline, trio.current_time() + self.config.idle_timeout_s)
+                    if reader.pending
+                    else math.inf
+                )
         finally:
             close_quietly(*pending)
 
@@ -380,14 +426,17 @@ class GuardService:
         self, conn: trio.socket.SocketType, message: wire.Message, fds: tuple[int, ...] = ()
     ) -> None:
         data = wire.encode_frame(message)
-        if fds:
-            cmsg = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
-            sent = await conn.sendmsg([data], cmsg)
-        else:
-            sent = await conn.send(data)
-        while sent < len(data):
-            data = data[sent:]
-            sent = await conn.send(data)
+        with trio.move_on_after(self.config.idle_timeout_s) as late:
+            if fds:
+                cmsg = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+                sent = await conn.sendmsg([data], cmsg)
+            else:
+                sent = await conn.send(data)
+            while sent < len(data):
+                data = data[sent:]
+                sent = await conn.send(data)
+        if late.cancelled_caught:  # a peer that does not read must not hold its slot
+            raise OSError(errno.ETIMEDOUT, f"guard reply {message.TYPE!r} not taken in time")
 
     async def _handle(
         self,
@@ -436,15 +485,18 @@ class GuardService:
             if refusal is None:
                 guard = self.guards[request.guard_index]
                 async with guard.lock:  # binding the listener awaits: one claim at a time
-                    refusal = self.groups.check_claim(request, cred.pid)
+                    refusal = self.groups.check_claim(request, cred.pid) or _usable(guard)
+                    if refusal is None and self.groups[guard.index].state == "serving":
+                        await guard.hand_back()
+                        refusal = _usable(guard)
                     if refusal is None:
-                        if self.groups[guard.index].state == "serving":
-                            await guard.hand_back()
-                        refusal = await self._lend(conn, log, guard, request, pidfd)
+                        try:
+                            refusal = await self._lend(conn, log, guard, request, pidfd)
+                        finally:
+                            if self.groups[guard.index].state == "handing_back":
+                                self.groups.move(guard.index, "stop")
                         if refusal is None:
                             pidfd = -1  # the Guard owns it now
-                        elif self.groups[guard.index].state == "handing_back":
-                            self.groups.move(guard.index, "stop")
             if refusal is not None:
                 await self._refuse(conn, log, refusal, [])
         finally:
@@ -498,7 +550,7 @@ class GuardService:
         if refusal is not None:
             await self._refuse(conn, log, refusal, [])
             return
-        self.guards[release.guard_index].released(release.lease)
+        self.guards[release.guard_index].released(release.lease, release.activated)
         await self._send(
             conn, wire.ReleaseAck(guard_index=release.guard_index, lease=release.lease)
         )

@@ -10,6 +10,7 @@ closed: it flushes its mirror, so the next holder recovers the same state.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 from typing import Any
@@ -56,6 +57,7 @@ class GroupServer:
         ]
         journal_offset, journal_size = mapping.layout.journal
         journal = memoryview(mapping.mmap)[journal_offset : journal_offset + journal_size]
+        started = False
         try:
             kv = KVCR._over_journal(
                 KVCRConfig(f"kvcr-guard-{os.getpid()}-g{index}-{next(_instances)}", layouts),
@@ -74,16 +76,27 @@ class GroupServer:
                 journal,
                 index,
             )
-        except BaseException:
-            channel.close()
-            raise
+            started = True
+        finally:
+            if not started:
+                # The runtime owns the view once it runs; before that it is ours to let go
+                # of (a live view would keep the group from ever being unmapped).
+                journal.release()
+                channel.close()
         log.info("serving", group=index, blocks=len(kv._runtime.index), endpoint=channel.endpoint)
         return cls(kv, channel)
 
-    def close(self) -> None:
-        """Blocking: stop serving once no transfer reads the pools (or the abandon deadline
-        passed); the journal then holds what this server held."""
+    def close(self) -> bool:
+        """Blocking: stop serving once no transfer reads the pools. False if a transfer
+        might still read them after the abandon deadline (then the group must not be lent
+        again); the journal holds what this server held either way."""
         try:
             self.kv.close()
         finally:
             self.channel.close()
+        clean = not self.kv._runtime.leaked
+        # A KVCR's runtime objects refer to each other: collect them now, so that their
+        # descriptors (eventfd, timers) go with this server rather than at some later GC.
+        del self.kv
+        gc.collect()
+        return clean

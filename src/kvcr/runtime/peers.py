@@ -66,6 +66,9 @@ class Link:
     ready: trio.Event = attrs.field(factory=trio.Event)
     greeting: bool = False
     pulls: dict[int, RemotePull] = attrs.field(factory=dict)
+    # Incarnations that a newer one replaced at this endpoint: those processes are gone, so
+    # a late message of theirs (sent before they died, read after the successor's) is stale.
+    gone: list[int] = attrs.field(factory=list)
 
 
 @attrs.define(eq=False)
@@ -297,7 +300,7 @@ class Peers:
 
     def _on_hello_ack(self, msg: m.HelloAck) -> None:
         link = self.links.get(msg.sender)
-        if link is None or msg.acked != self.incarnation:
+        if link is None or msg.acked != self.incarnation or msg.incarnation in link.gone:
             self.drop("stale_hello_ack", msg.sender)
             return
         self._note_incarnation(link, msg.incarnation)
@@ -309,7 +312,10 @@ class Peers:
         pulls aimed at the old one end now (that process can no longer write)."""
         if link.incarnation == incarnation:
             return True
+        if incarnation in link.gone:
+            return False  # stale: never switch back to a process known to be gone
         if link.incarnation:
+            link.gone = [*link.gone[-15:], link.incarnation]
             self.log.info("peer_restarted", endpoint=link.endpoint, pulls=len(link.pulls))
             for pull in list(link.pulls.values()):
                 pull.restarted = True
