@@ -245,10 +245,11 @@ def test_status_shows_groups_holders_and_layouts_as_a_table_and_json(guard) -> N
     status = [sys.executable, "-m", "kvcr.kvcr_service", "status", "--socket-path"]
     table = subprocess.run([*status, guard.socket_path], capture_output=True, text=True, check=True)
     lines = table.stdout.splitlines()
-    assert lines[0].split() == ["group", "state", "holder", "control", "port", "layouts"]
+    assert lines[0].split() == ["group", "state", "holder", "control", "port", "journal", "layouts"]
     port = str(hold.control_address[1])
-    assert lines[1].split() == ["0", "held", str(os.getpid()), port, "<default>:4096"]
-    assert lines[2].split() == ["1", "idle", "-", "-", "-"]
+    # A bare claim writes no journal: "-" (workers' journals are shown, see the workers' tests)
+    assert lines[1].split() == ["0", "held", str(os.getpid()), port, "-", "<default>:4096"]
+    assert lines[2].split() == ["1", "idle", "-", "-", "-", "-"]
 
     doc = subprocess.run(
         [*status, guard.socket_path, "--json"], capture_output=True, text=True, check=True
@@ -259,6 +260,9 @@ def test_status_shows_groups_holders_and_layouts_as_a_table_and_json(guard) -> N
         "state": "held",
         "holder_pid": os.getpid(),
         "control_port": hold.control_address[1],
+        "journal_blocks": None,
+        "journal_fill_percent": None,
+        "recovery_disabled": False,
         "layouts": [["", 4096]],
     }
     hold.release()

@@ -138,6 +138,9 @@ def test_a_replacement_for_a_sigkilled_worker_starts_warm(guard) -> None:
         keys = [key(k) for k in range(8)]
         assert heir.kv.query([*keys, key(99)]) == [HIT] * 8 + [MISS]
         assert 0 < heir.kv._runtime.gauges()["journal_fill_percent"] < 100
+        # The service follows the holder's journal: operators see it in `status`.
+        wait_until(lambda: guard.client.status()[0].journal_blocks == 8, what="journal followed")
+        assert not guard.client.status()[0].recovery_disabled
         assert sorted(heir.recorder.inventory_keys(removed=False)) == sorted(keys)
         assert heir.deliver_local([(k, 20 + k) for k in range(8)]) == dict.fromkeys(keys, "SUCCESS")
         for k in range(8):

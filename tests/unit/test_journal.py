@@ -317,3 +317,21 @@ def test_a_crash_at_every_store_of_a_churning_run_leaves_a_flush_whole() -> None
             partial = data[: len(data) // 2]  # half of the interrupted store landed
         state = read(replay_prefix(stores, upto, partial, at)).state
         assert state in acceptable, f"crash at store {upto} of {len(stores)}"
+
+
+def test_a_follower_applies_only_new_frames_and_starts_over_after_a_snapshot() -> None:
+    buf = bytearray(SMALL)
+    holder = Holder(buf)
+    follower = journal.Follower(buf)
+    holder.put(b"a", (1,))
+    holder.flush()
+    assert follower.poll().state == {b"a": g2(1)}
+    holder.put(b"b", (2,))
+    holder.flush()
+    first = follower.poll()
+    assert first.state == {b"a": g2(1), b"b": g2(2)} and first.frames == 2
+    for i in range(400):  # churn until the writer compacts into the other half
+        holder.put(b"c", (i,))
+        holder.flush()
+    assert holder.w.compactions > 1
+    assert follower.poll().state == read(buf).state == {b"a": g2(1), b"b": g2(2), b"c": g2(399)}

@@ -154,14 +154,21 @@ def serve(argv: list[str]) -> int:
 
 
 def status_table(groups: list[GroupStatus]) -> str:
-    rows = [("group", "state", "holder", "control port", "layouts")]
+    rows = [("group", "state", "holder", "control port", "journal", "layouts")]
     for g in groups:
+        if g.recovery_disabled:
+            journal = "recovery disabled"
+        elif g.journal_blocks is None:
+            journal = "-"
+        else:
+            journal = f"{g.journal_blocks} blocks, {g.journal_fill_percent}% full"
         rows.append(
             (
                 str(g.index),
                 g.state,
                 "-" if g.holder_pid is None else str(g.holder_pid),
                 "-" if g.control_port is None else str(g.control_port),
+                journal,
                 ", ".join(f"{name or '<default>'}:{size}" for name, size in g.layouts) or "-",
             )
         )
@@ -187,6 +194,9 @@ def status(argv: list[str]) -> int:
                 "state": g.state,
                 "holder_pid": g.holder_pid,
                 "control_port": g.control_port,
+                "journal_blocks": g.journal_blocks,
+                "journal_fill_percent": g.journal_fill_percent,
+                "recovery_disabled": g.recovery_disabled,
                 "layouts": [list(x) for x in g.layouts],
             }
             for g in groups

@@ -218,17 +218,18 @@ def _read_header(buf: memoryview) -> tuple[int, int, int, int] | None:
 
 def read(buf: memoryview | bytearray | bytes) -> Replay:
     """Replay the journal in ``buf``: every whole frame of the active half, in order."""
-    view = memoryview(buf)
-    half = _layout(len(view))
-    header = _read_header(view)
-    state: dict[bytes, Residency] = {}
-    if header is None:
-        return Replay(state, 0, 0, 0, half, disabled=False)
-    _, epoch, active, header_half = header
-    if active == NO_HALF or active > 1 or header_half != half:
-        return Replay(state, epoch, 0, 0, half, disabled=active == NO_HALF)
-    base = DATA_START + active * half
-    pos, seq = 0, 0
+    follower = Follower(buf)
+    try:
+        return follower.poll()
+    finally:
+        follower.release()
+
+
+def _replay_frames(
+    view: memoryview, base: int, half: int, epoch: int, pos: int, seq: int, state: dict
+) -> tuple[int, int]:
+    """Apply the whole frames from ``pos`` (expecting ``seq``) to ``state``; the position
+    and seq after the last one."""
     while pos + FRAME_HEAD.size + CRC.size <= half:
         magic, length, frame_epoch, frame_seq = FRAME_HEAD.unpack_from(view, base + pos)
         end = pos + FRAME_HEAD.size + length
@@ -243,7 +244,42 @@ def read(buf: memoryview | bytearray | bytes) -> Replay:
             break
         pos = _align8(end + CRC.size)
         seq += 1
-    return Replay(state, epoch, seq, pos, half, disabled=False, start=base)
+    return pos, seq
+
+
+class Follower:
+    """Follows a journal that another process writes: each :meth:`poll` applies only the
+    frames added since the last one, and starts over when the header moved (a snapshot, a
+    new holder). The guard keeps one per held group, so it always knows what the holder has
+    committed and how full the journal is."""
+
+    def __init__(self, buf: memoryview | bytearray | bytes) -> None:
+        self._view = memoryview(buf)
+        self.half = _layout(len(self._view))
+        self._header: tuple[int, int, int, int] | None = None
+        self._state: dict[bytes, Residency] = {}
+        self._pos = self._seq = 0
+
+    def poll(self) -> Replay:
+        view, half = self._view, self.half
+        header = _read_header(view)
+        if header != self._header:
+            self._header, self._state, self._pos, self._seq = header, {}, 0, 0
+        if header is None:
+            return Replay({}, 0, 0, 0, half, disabled=False)
+        _, epoch, active, header_half = header
+        if active == NO_HALF or active > 1 or header_half != half:
+            return Replay({}, epoch, 0, 0, half, disabled=active == NO_HALF)
+        base = DATA_START + active * half
+        self._pos, self._seq = _replay_frames(
+            view, base, half, epoch, self._pos, self._seq, self._state
+        )
+        return Replay(
+            dict(self._state), epoch, self._seq, self._pos, half, disabled=False, start=base
+        )
+
+    def release(self) -> None:
+        self._view.release()
 
 
 Entry = tuple[int, bytes, tuple[int, ...]]  # (op, key, values)

@@ -288,6 +288,10 @@ class GroupStatus:
     holder_pid: int | None = attrs.field(validator=_optional_int(1, (1 << 31) - 1))
     layouts: list[tuple[str, int]] = attrs.field(converter=_to_tuples, validator=_pools(2, 0))
     control_port: int | None = attrs.field(validator=_optional_int(1, 65535))
+    # What the group's journal holds, as the service last read it (None: never read).
+    journal_fill_percent: int | None = attrs.field(default=None, validator=_optional_int(0, 100))
+    journal_blocks: int | None = attrs.field(default=None, validator=_optional_int(0, U64 - 1))
+    recovery_disabled: bool = attrs.field(default=False, validator=_bool)
 
 
 @attrs.frozen

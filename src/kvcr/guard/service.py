@@ -35,6 +35,7 @@ import trio
 
 from kvcr.errors import KVCRMsgFramingError
 from kvcr.guard import protocol as wire
+from kvcr.guard.journal import Follower, Replay
 from kvcr.guard.pools import GroupFile, create_group_file, map_group, plan_group, reclaim_orphans
 from kvcr.guard.procs import PeerCred, claimant_pidfd, close_quietly, peer_cred
 from kvcr.guard.rules import Groups, Lease, Refusal
@@ -42,6 +43,7 @@ from kvcr.guard.serving import CannotServe, GroupServer
 
 MAX_CONNECTIONS = 256
 CONTROL_BACKLOG = 128
+FOLLOW_INTERVAL_S = 0.5
 _ITEMSIZE = array.array("i").itemsize
 
 
@@ -79,6 +81,11 @@ class Guard:
         # Set when a server of this group might still have a transfer reading its pools:
         # lending the group again could let a new holder rewrite memory under it.
         self.unusable: str | None = None
+        journal_offset, journal_size = file.layout.journal
+        self.follower = Follower(
+            memoryview(self.mapping.mmap)[journal_offset : journal_offset + journal_size]
+        )
+        self.journal: Replay | None = None  # what the follower saw last
 
     async def control_listener(self, host: str, port: int) -> socket.socket:
         """The group's listening TCP socket, bound to (host, port) on first use."""
@@ -132,6 +139,17 @@ class Guard:
                 async with self.lock:
                     await self._take_over()
 
+    async def follow(self, interval_s: float = FOLLOW_INTERVAL_S) -> None:
+        """Keep up with the group's journal while somebody writes it (the holder, or this
+        Guard's own server), for ``status``. A failure here is logged, not fatal."""
+        while True:
+            if self.groups[self.index].state in ("held", "serving"):
+                try:
+                    self.journal = await trio.to_thread.run_sync(self.follower.poll)
+                except Exception as exc:
+                    self.log.warning("journal_follow_failed", error=repr(exc))
+            await trio.sleep(interval_s)
+
     async def _take_over(self) -> None:
         """Serve the dead holder's committed blocks on the group's endpoint. If that is not
         possible (no address peers could use, or the server fails to start), the group just
@@ -183,10 +201,24 @@ class Guard:
             if self.listener is not None:
                 self.listener.close()
                 self.listener = None
+            self.follower.release()
             try:
                 self.mapping.close()
             finally:
                 self.file.close(unlink=True)
+
+
+def _with_journal(status: wire.GroupStatus, replay: Replay | None) -> wire.GroupStatus:
+    """``status`` with what the group's journal held when the service last read it."""
+    if replay is None or (replay.epoch == 0 and not replay.disabled):
+        return status  # never read, or nobody ever wrote it
+    fill = 100 if replay.disabled else min(100, round(100 * replay.used / replay.half_size))
+    return attrs.evolve(
+        status,
+        journal_fill_percent=fill,
+        journal_blocks=len(replay.state),
+        recovery_disabled=replay.disabled,
+    )
 
 
 def _usable(guard: Guard) -> Refusal | None:
@@ -221,6 +253,7 @@ class GuardService:
             async with trio.open_nursery() as supervisor:
                 for guard in self.guards:
                     supervisor.start_soon(self._supervise, guard)
+                    supervisor.start_soon(guard.follow)
                 supervisor.start_soon(self._accept, supervisor)
                 self.log.info(
                     "service_ready",
@@ -458,7 +491,7 @@ class GuardService:
         if isinstance(message, wire.Release):
             await self._release(conn, cred, log, message)
         elif isinstance(message, wire.StatusRequest):
-            await self._send(conn, wire.StatusReply(groups=self.groups.status()))
+            await self._send(conn, wire.StatusReply(groups=self._status()))
         else:
             raise KVCRMsgFramingError(f"guard frame {message.TYPE!r}: not a request")
 
@@ -528,6 +561,12 @@ class GuardService:
         guard.watch(lease, pidfd)
         log.info("lease_granted", group=guard.index, lease=lease.number, control_port=port)
         return None
+
+    def _status(self) -> list[wire.GroupStatus]:
+        return [
+            _with_journal(status, guard.journal)
+            for status, guard in zip(self.groups.status(), self.guards)
+        ]
 
     def _granted(self, request: wire.ClaimRequest, lease: Lease, port: int) -> wire.ClaimGranted:
         pools = [
