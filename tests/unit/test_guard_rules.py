@@ -152,7 +152,8 @@ def test_a_release_racing_the_holders_exit_ends_the_lease_once(groups) -> None:
 def test_status_lists_every_group_with_its_holder_terms_and_endpoint(groups) -> None:
     groups.grant(request(guard_index=1), 5001)
     status = groups.status()
-    assert [attrs.asdict(s) for s in status] == [
+    fields = ("index", "state", "holder_pid", "layouts", "control_port")
+    assert [attrs.asdict(s, filter=lambda a, _: a.name in fields) for s in status] == [
         {"index": 0, "state": "idle", "holder_pid": None, "layouts": [], "control_port": None},
         {
             "index": 1,
