@@ -23,6 +23,7 @@ import array
 import contextlib
 import errno
 import fcntl
+import gc
 import math
 import os
 import socket
@@ -519,9 +520,11 @@ class GuardService:
                 guard = self.guards[request.guard_index]
                 async with guard.lock:  # binding the listener awaits: one claim at a time
                     refusal = self.groups.check_claim(request, cred.pid) or _usable(guard)
+                    handed_back = False
                     if refusal is None and self.groups[guard.index].state == "serving":
                         await guard.hand_back()
                         refusal = _usable(guard)
+                        handed_back = True
                     if refusal is None:
                         try:
                             refusal = await self._lend(conn, log, guard, request, pidfd)
@@ -530,6 +533,10 @@ class GuardService:
                                 self.groups.move(guard.index, "stop")
                         if refusal is None:
                             pidfd = -1  # the Guard owns it now
+                    if handed_back:
+                        # The stopped server's objects (its NIXL agent and the connections
+                        # it holds) form reference cycles: free them now, after the grant.
+                        gc.collect()
             if refusal is not None:
                 await self._refuse(conn, log, refusal, [])
         finally:

@@ -60,6 +60,11 @@ class Inbox:
             await trio.lowlevel.wait_readable(self._fd)
             _eventfd_read(self._fd, ctypes.byref(ctypes.c_uint64()))
 
+    def close(self) -> None:
+        """Close the eventfd now. Only for an owner that knows no thread can call put()
+        any more (the guard's own server, which has no engine threads)."""
+        self.__del__()
+
     def __del__(self) -> None:
         # Closed only when nothing can call put() any more: an fd closed earlier could be
         # reused by another file, which a late put() would then write into.
