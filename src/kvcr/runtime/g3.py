@@ -1,0 +1,168 @@
+"""The G3 tier: blocks kept in local files, stored from and read back into host memory.
+
+One slot index (a :class:`BlockIndex` with a single pool of file slots) in the runtime
+thread; the data moves through the file transport, one transfer per batch. A slot's data is
+trusted only while its on-disk record names the key and the generation this tier wrote
+(:mod:`kvcr.g3.files`), checked before and again after every read: a file deleted,
+truncated, replaced or zeroed under a running instance turns its keys into misses, never
+into wrong bytes. Storing clears the slot's record first and writes it only once the data
+is on disk, so a crash mid-store leaves no record that could vouch for half a block.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import trio
+
+from kvcr.g3.files import G3Files, Record, key_digest
+from kvcr.runtime.index import Block, BlockIndex, BlockState, SlotPool
+from kvcr.runtime.transfers import Transfers, Xfer
+from kvcr.transport.base import TransportError
+from kvcr.types import BlockKey, CacheTier, QueryStatus
+
+FETCHABLE_G3 = (QueryStatus.FETCHABLE, CacheTier.G3)
+
+
+class G3Tier:
+    def __init__(
+        self,
+        *,
+        files: G3Files,
+        transport: Any,
+        transfers: Transfers,
+        score: Callable[[Block], float],
+        on_removed: Callable[[list[BlockKey]], None],
+        log: Any,
+    ) -> None:
+        self.files = files
+        self.transport = transport
+        self.transfers = transfers
+        self.index = BlockIndex([SlotPool("g3", files.block, files.capacity)])
+        self.view: dict[BlockKey, tuple[QueryStatus, CacheTier]] = {}
+        self._score = score
+        self._on_removed = on_removed
+        self.log = log
+        self._generations: dict[int, int] = {}  # slot -> generation of its record
+        # Generations only grow, across restarts too: a record written by an earlier
+        # process can never match what this one expects.
+        self._next_generation = time.time_ns()
+
+    def __contains__(self, key: BlockKey) -> bool:
+        block = self.index.get(key)
+        return block is not None and block.state is BlockState.READY
+
+    # -- store -------------------------------------------------------------------------------
+
+    async def store(self, items: Sequence[tuple[BlockKey, int]], what: str) -> set[BlockKey]:
+        """Copy host descriptors into G3 slots (``items``: key, descriptor index), evicting
+        G3 blocks by score for room. Returns the keys now committed in G3."""
+        items = [(k, d) for k, d in items if self.index.get(k) is None]
+        room = self._make_room(len(items))
+        items = items[:room]
+        if not items:
+            return set()
+        blocks = self.index.add_filling_batch([k for k, _ in items], trio.current_time())
+        for block in blocks:
+            self.files.clear_record(block.slots[0])
+        xfer = await self._move("WRITE", [d for _, d in items], blocks, what)
+        stored: set[BlockKey] = set()
+        for block in blocks:
+            if xfer is not None and xfer.ok and self.index.holds(block):
+                slot = block.slots[0]
+                generation = self._next_generation
+                self._next_generation += 1
+                try:
+                    self.files.write_record(slot, Record(generation, key_digest(block.key)))
+                except OSError as exc:
+                    self.log.warning("g3_record_failed", slot=slot, error=str(exc))
+                    self.index.remove(block)
+                    continue
+                self._generations[slot] = generation
+                self.index.commit(block, self._score(block))
+                self.view[block.key] = FETCHABLE_G3
+                stored.add(block.key)
+            elif self.index.holds(block):
+                self.index.remove(block)
+        return stored
+
+    def _make_room(self, wanted: int) -> int:
+        pool = self.index.pools[0]
+        evicted: list[BlockKey] = []
+        if pool.free < wanted:
+            victims = self.index.victims(self._score)
+            try:
+                for block in victims:
+                    if pool.free >= wanted:
+                        break
+                    self._forget(block)
+                    evicted.append(block.key)
+            finally:
+                victims.close()
+        if evicted:
+            self._on_removed(evicted)
+        return min(wanted, pool.free)
+
+    def _forget(self, block: Block) -> None:
+        self.view.pop(block.key, None)
+        self._generations.pop(block.slots[0], None)
+        self.index.remove(block)
+
+    # -- read --------------------------------------------------------------------------------
+
+    def verified(self, key: BlockKey) -> Block | None:
+        """The READY block of ``key`` if its file and record still vouch for it; a block
+        they no longer vouch for is forgotten (and reported removed)."""
+        block = self.index.get(key)
+        if block is None or block.state is not BlockState.READY:
+            return None
+        slot = block.slots[0]
+        if self.files.check(slot, key, self._generations.get(slot, -1)):
+            return block
+        self.log.warning("g3_record_invalid", slot=slot, reason="file or record changed")
+        if block.claims == 0:
+            self._forget(block)
+            self._on_removed([key])
+        return None
+
+    async def read(self, items: Sequence[tuple[BlockKey, int]], what: str) -> set[BlockKey]:
+        """Copy G3 blocks into host descriptors (``items``: key, descriptor index). Returns
+        the keys whose bytes arrived and were still vouched for after the copy."""
+        wanted = [(self.verified(k), d) for k, d in items]
+        wanted = [(b, d) for b, d in wanted if b is not None]
+        if not wanted:
+            return set()
+        for block, _ in wanted:
+            block.claims += 1
+            if block.queued:
+                self.index.dequeue(block)
+        try:
+            xfer = await self._move("READ", [d for _, d in wanted], [b for b, _ in wanted], what)
+        finally:
+            for block, _ in wanted:
+                block.claims -= 1
+                if block.claims == 0 and self.index.holds(block):
+                    self.index.touch(block, trio.current_time())
+                    self.index.rescore(block, self._score(block))
+        if xfer is None or not xfer.ok:
+            return set()
+        return {b.key for b, _ in wanted if self.verified(b.key) is b}
+
+    async def _move(
+        self, op: str, descriptors: list[int], blocks: list[Block], what: str
+    ) -> Xfer | None:
+        ranges = [(f.index, offset) for f, offset in (self.files.place(b.slots[0]) for b in blocks)]
+        try:
+            handle = self.transport.post(op, descriptors, ranges, what)
+        except TransportError as exc:
+            self.log.warning("g3_transfer_failed", op=op, what=what, error=str(exc))
+            return None
+        nbytes = len(blocks) * self.files.block
+        xfer = self.transfers.track(handle, what, nbytes, lambda _x: None)
+        # The transfer reads or writes these slots until it is terminal, whatever happens
+        # to the caller: wait for it even when cancelled.
+        with trio.CancelScope(shield=True):
+            await xfer.done.wait()
+        return xfer
