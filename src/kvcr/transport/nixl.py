@@ -1,4 +1,4 @@
-"""NIXL transport: the only module that imports nixl.
+"""NIXL transport for host memory and peers (G3 files: nixl_files.py; nixl is imported only there and here).
 
 The agent runs without NIXL's progress thread (it spins a full core per agent, see
 nixl-on-cpu.md); the runtime polls transfers instead, often while any is in flight and not
