@@ -3,6 +3,7 @@ service (``python -m kvcr.kvcr_service``), each started for real and stopped or 
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import socket
@@ -18,6 +19,17 @@ from kvcr import KVCRClient
 from kvcr.errors import KVCRSocketError
 
 WORKER = Path(__file__).resolve().parent / "worker_proc.py"
+
+
+_children: list[subprocess.Popen] = []
+
+
+@atexit.register
+def _kill_children() -> None:
+    # A test that failed before its teardown must not leave a child running.
+    for child in _children:
+        if child.poll() is None:
+            child.kill()
 
 
 def free_port() -> int:
@@ -62,6 +74,7 @@ class SourceWorker:
             + extra,
             pass_fds=[theirs.fileno()],
         )
+        _children.append(self.proc)
         theirs.close()
         self.conn = Connection(os.dup(ours.fileno()))
         ours.close()
@@ -131,6 +144,7 @@ class GuardProcess:
                 stderr=log,
                 env={**os.environ, **(env or {})},
             )
+        _children.append(self.proc)
         self.client = KVCRClient(self.socket_path)
         self.client.timeout_s = 5.0
         if wait:

@@ -40,11 +40,14 @@ def world(tmp_path_factory) -> Iterator[tuple[GuardProcess, GuardedWorker, int]]
     wait_until(lambda: guard.states()[0] == ("serving", None), what="first takeover")
     SourceWorker("warm-up-2", SIZES, port, guard=(guard.socket_path, 0, guard.digest)).stop()
     fds = len(os.listdir(f"/proc/{guard.proc.pid}/fd"))
-    yield guard, peer, port
-    peer.close()
-    assert guard.states() == [("idle", None), ("idle", None)]
-    assert len(os.listdir(f"/proc/{guard.proc.pid}/fd")) <= fds + 2  # no fd leaks per trial
-    assert guard.stop() == 0, guard.log()
+    try:
+        yield guard, peer, port
+        peer.close()
+        assert guard.states() == [("idle", None), ("idle", None)]
+        assert len(os.listdir(f"/proc/{guard.proc.pid}/fd")) <= fds + 2  # no fd leak per trial
+    finally:
+        code = guard.stop()
+    assert code == 0, guard.log()
     assert list(guard.pool_dir.iterdir()) == []
 
 
