@@ -180,10 +180,6 @@ class KVCR:
             raise ValueError(
                 f"KVCR: bindings must be a KVCRBindings, got {type(bindings).__name__}"
             )
-        if backend_configs.g3 is not None:
-            raise ValueError(
-                "KVCRBackendConfigs: g3: the G3 file tier is not available in this build yet"
-            )
         if guard_config is not None:
             backend_configs = self._claim_pools(config, bindings, backend_configs, guard_config)
         self._config = config
@@ -239,8 +235,10 @@ class KVCR:
             log=self._log,
             journal=self._hold.journal_buffer() if self._hold is not None else journal,
             group=self._hold.guard_index if self._hold is not None else group,
+            g3_options=backend_configs.g3,
         )
         self._view = self._runtime.index.view
+        self._g3_view = self._runtime.g3_view
         self._outbox = self._runtime.outbox
         self._inbox = self._runtime.inbox
         self._hints = HintBook()
@@ -406,6 +404,11 @@ class KVCR:
         self._check_open("query")
         view = self._view
         answers = [view.get(key, MISS) for key in keys]
+        g3 = self._g3_view
+        if g3:  # the file tier comes after local G2 and before a peer
+            for i, answer in enumerate(answers):
+                if answer is MISS:
+                    answers[i] = g3.get(keys[i], MISS)
         # Without a control channel no peer can be asked: a hint covers nothing.
         hint = self._live_hint(request_id) if self._bindings.framework_control else None
         if hint is not None:

@@ -17,7 +17,7 @@ import contextlib
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -36,10 +36,15 @@ from kvcr.types import (
     OpEntryResult,
     OpEntryStatus,
     PlacementAction,
+    PlacementFailure,
     ReleaseHandle,
 )
 
+if TYPE_CHECKING:
+    from kvcr.runtime.g3 import G3Tier
+
 _G2 = frozenset({CacheTier.LOCAL_G2})
+_G3 = frozenset({CacheTier.G3})
 _STORE = (PlacementAction.COPY_TO, CacheTier.LOCAL_G2)
 _DROP = (PlacementAction.DROP, None)
 _NONE: frozenset[CacheTier] = frozenset()
@@ -95,12 +100,19 @@ class LocalG2:
             for hook in POLICY_HOOKS
         }
         self.watermark = [math.ceil(p.capacity * watermark_percent / 100) for p in index.pools]
+        # The file tier, once the runtime has started it; spills run as tasks of ``spawn``.
+        self.g3: G3Tier | None = None
+        self.spawn: Callable[..., None] | None = None
+        self._spilling = 0  # G2 blocks on their way to G3: their slots free up when stored
+        self._spilled = trio.Event()
 
     # -- policy plumbing -------------------------------------------------------------------
 
     def meta(self, block: Block, resident: frozenset[CacheTier] | None = None) -> BlockMeta:
         if resident is None:
             resident = _G2 if block.state is BlockState.READY else _NONE
+            if self.g3 is not None and block.key in self.g3:
+                resident = resident | _G3
         return BlockMeta(
             block.key,
             self.memory.bytes_per_key,
@@ -182,40 +194,104 @@ class LocalG2:
         fit. Tells the engine (capacity_needed_callback) when policy cannot free enough
         room for the request plus the low watermark."""
         pools = self.index.pools
-        deficit = max(wanted + wm - p.free for p, wm in zip(pools, self.watermark))
+        coming = self._spilling  # slots that spills in flight will free
+        deficit = max(wanted + wm - p.free - coming for p, wm in zip(pools, self.watermark))
         if deficit > 0:
             self.evict(deficit)
         granted = min(wanted, self.index.free_keys)
         short = [
-            (p.name, wanted + wm - p.free)
+            (p.name, wanted + wm - p.free - self._spilling)
             for p, wm in zip(pools, self.watermark)
-            if wanted + wm - p.free > 0
+            if wanted + wm - p.free - self._spilling > 0
         ]
         if short:
             self.log.info("capacity_needed", op=what, pools=short, granted=granted, wanted=wanted)
             self.callbacks.capacity_needed(short)
         return granted
 
+    async def make_room(self, wanted: int, what: str) -> int:
+        """:meth:`reserve`, then, while spills to G3 are on their way and would free what
+        is missing, wait for them (within the operation's deadline)."""
+        granted = self.reserve(wanted, what)
+        while granted < wanted and self._spilling:
+            await self._spilled.wait()
+            granted = min(wanted, self.index.free_keys)
+        return granted
+
     def evict(self, count: int) -> int:
         removed: list[BlockKey] = []
+        spills: list[Block] = []
         victims = self.index.victims(self.score)
         with contextlib.closing(victims):
             for block in victims:
-                if len(removed) >= count:
+                if len(removed) + len(spills) >= count:
                     break
                 if self._wants("decide_eviction"):
-                    action, _tier = self._policy(
+                    action, tier = self._policy(
                         "decide_eviction", _DROP, self.meta(block), CacheTier.LOCAL_G2
                     )
                     if action is PlacementAction.KEEP:
+                        continue
+                    if action is PlacementAction.MOVE_TO and tier is CacheTier.G3 and self.g3:
+                        # The slot stays until the G3 copy is committed: claimed meanwhile.
+                        block.claims += 1
+                        block.queued = False
+                        spills.append(block)
                         continue
                 self.index.remove(block)
                 if self._wants("on_remove"):
                     self._policy("on_remove", None, self.meta(block, _NONE))
                 removed.append(block.key)
+        if spills:
+            assert self.spawn is not None
+            self._spilling += len(spills)
+            self.spawn(self._spill, spills)
         if removed:
             self.callbacks.inventory(InventoryEvent(tuple(removed), CacheTier.LOCAL_G2, True))
         return len(removed)
+
+    async def _spill(self, blocks: list[Block]) -> None:
+        """Store evicted blocks in G3, then free their G2 slots; a failed store goes to the
+        policy's ``decide_recovery`` (the default drops the block)."""
+        assert self.g3 is not None
+        base = self.memory.pool_base[0]  # G3 needs exactly one pool
+        try:
+            stored = await self.g3.store([(b.key, base + b.slots[0]) for b in blocks], "spill")
+        except Exception as exc:  # a bug must not leak the claims
+            self.log.exception("spill_failed", error=repr(exc))
+            stored = set()
+        finally:
+            self._spilling -= len(blocks)
+        removed: list[BlockKey] = []
+        for block in blocks:
+            block.claims -= 1
+            if not self.index.holds(block):
+                continue
+            if block.key not in stored:
+                failure = PlacementFailure(
+                    (PlacementAction.MOVE_TO, CacheTier.G3),
+                    CacheTier.LOCAL_G2,
+                    "G3 store failed",
+                    1,
+                )
+                action, _ = self._policy("decide_recovery", _DROP, self.meta(block), failure)
+                if action is PlacementAction.KEEP:
+                    self.unclaim_requeue(block)
+                    continue
+            if block.claims:  # read meanwhile: it stays in G2 too, until evicted again
+                continue
+            self.index.remove(block)
+            removed.append(block.key)
+        if stored:
+            self.callbacks.inventory(InventoryEvent(tuple(stored), CacheTier.G3, False))
+        if removed:
+            self.callbacks.inventory(InventoryEvent(tuple(removed), CacheTier.LOCAL_G2, True))
+        self._spilled.set()
+        self._spilled = trio.Event()
+
+    def unclaim_requeue(self, block: Block) -> None:
+        if block.claims == 0 and self.index.holds(block):
+            self.index.rescore(block, self.score(block))
 
     # -- waiting for fills in progress ---------------------------------------------------------
 
@@ -284,7 +360,7 @@ class LocalG2:
                 answers[key] = self._stored(block, no_evict)
             else:
                 waits.append((key, block))
-        granted = self.reserve(len(new), f"deposit op {op.handle}") if new else 0
+        granted = await self.make_room(len(new), f"deposit op {op.handle}") if new else 0
         for key in new[granted:]:
             answers[key] = FAILED
         if new[granted:]:
@@ -446,6 +522,86 @@ class LocalG2:
             answers[key] = self.claimed_entry(block)
         if len(answers) != sum(1 for a in answers.values() if a.success):
             op.failure = op.failure or "fetch: some keys are not in local G2"
+        self.outbox.answer(op, answers)
+
+    # -- G3 --------------------------------------------------------------------------------
+
+    def g3_score(self, block: Block) -> float:
+        if self._hooks["eviction_score"] is None:
+            return block.last_access if block.last_access is not None else float("-inf")
+        meta = BlockMeta(
+            block.key,
+            self.memory.bytes_per_key,
+            block.access_count,
+            block.last_access,
+            _G3,
+            block.position,
+        )
+        return self._policy("eviction_score", 0.0, meta, CacheTier.G3)
+
+    def g3_removed(self, keys: list[BlockKey]) -> None:
+        """G3 evicted (or stopped trusting) ``keys``: inventory, and ``on_remove`` for those
+        with no copy left in G2 either."""
+        self.callbacks.inventory(InventoryEvent(tuple(keys), CacheTier.G3, True))
+        if self._wants("on_remove"):
+            for key in keys:
+                if self.index.get(key) is None:
+                    meta = BlockMeta(key, self.memory.bytes_per_key, 0, None, _NONE)
+                    self._policy("on_remove", None, meta)
+
+    async def deliver_g3(
+        self,
+        op: Operation,
+        destinations: Mapping[BlockKey, tuple[int, ...]],
+        keys: Sequence[BlockKey],
+    ) -> None:
+        """Read G3 blocks straight into the engine's destinations."""
+        assert self.g3 is not None
+        live = [k for k in keys if op.live(k)]
+        got = await self.g3.read([(k, destinations[k][0]) for k in live], f"deliver op {op.handle}")
+        answers = {k: SUCCESS if k in got else FAILED for k in live if op.live(k)}
+        if len(got) < len(live):
+            op.failure = op.failure or "deliver: some G3 blocks could not be read back"
+        op.moved += len(got)
+        self.outbox.answer(op, answers)
+
+    async def fetch_g3(self, op: Operation, keys: Sequence[BlockKey]) -> None:
+        """Fill G2 slots from G3; each success is claimed like any fetch."""
+        assert self.g3 is not None
+        live = [k for k in keys if op.live(k) and self.index.get(k) is None]
+        granted = await self.make_room(len(live), f"fetch op {op.handle}")
+        answers: dict[BlockKey, OpEntryResult] = dict.fromkeys(live[granted:], FAILED)
+        blocks = self.index.add_filling_batch(live[:granted], trio.current_time())
+        base = self.memory.pool_base[0]
+        for block in blocks:
+            op.filling[block.key] = block
+        try:
+            got = await self.g3.read(
+                [(b.key, base + b.slots[0]) for b in blocks], f"fetch op {op.handle}"
+            )
+        finally:
+            for block in blocks:
+                op.filling.pop(block.key, None)
+        added: list[BlockKey] = []
+        for block in blocks:
+            if not self.index.holds(block):
+                self.index.release_slots(block)  # withdrawn meanwhile; the read is over
+            elif block.key in got and op.live(block.key):
+                self.index.commit(block, self.score(block))
+                self.ingested(block, CacheTier.G3)
+                answers[block.key] = self.claimed_entry(block)
+                added.append(block.key)
+            else:
+                self.index.remove(block)
+                if op.live(block.key):
+                    answers[block.key] = FAILED
+            fill_over(block)
+        self.index.flush_journal()
+        op.moved += len(added)
+        if added:
+            self.callbacks.inventory(InventoryEvent(tuple(added), CacheTier.LOCAL_G2, False))
+        if len(added) < len(live):
+            op.failure = op.failure or "fetch: some G3 blocks could not be read back"
         self.outbox.answer(op, answers)
 
     def claimed_entry(self, block: Block) -> OpEntryResult:

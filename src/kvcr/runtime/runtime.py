@@ -26,7 +26,9 @@ import attrs
 import trio
 
 from kvcr.config import KVCRConfig
+from kvcr.g3.files import G3Files
 from kvcr.policy import KVCachePolicy
+from kvcr.runtime.g3 import G3Tier
 from kvcr.runtime.inbox import Inbox
 from kvcr.runtime.index import BlockIndex, SlotPool
 from kvcr.runtime.local import LocalG2
@@ -98,8 +100,12 @@ class Runtime:
         log: Any,
         journal: memoryview | None = None,
         group: int | None = None,
+        g3_options: Any = None,
     ) -> None:
         self.bindings = bindings
+        self.g3_options = g3_options
+        self.g3: G3Tier | None = None
+        self.g3_view: dict[BlockKey, Any] = {}  # published for query, like index.view
         self.journal = journal  # the guard group's recovery journal, owned from here on
         self.group = group
         self.mirror: Mirror | None = None
@@ -161,6 +167,8 @@ class Runtime:
                     self._start_warm(self.local, self.journal)
             async with trio.open_nursery() as root:
                 root.start_soon(self.transfers.run)
+                if self.g3_options is not None and self.local is not None:
+                    self._start_g3(root, self.local, fine)
                 b = self.bindings
                 pins = Pins(
                     b.request_pin,
@@ -186,6 +194,8 @@ class Runtime:
                 await pins.drain(self.config.operation_timeout_ms / 1000)
                 root.cancel_scope.cancel()
         finally:
+            if self.g3 is not None:
+                self._close_g3(leaked)
             if self.mirror is not None:
                 self.mirror.close()
             elif self.journal is not None:
@@ -200,6 +210,41 @@ class Runtime:
             elif transport is not None:
                 transport.close()
             self.closed.set()
+
+    def _start_g3(self, root: trio.Nursery, local: LocalG2, fine: bool) -> None:
+        """Open the G3 files and their NIXL agent, and let the pool spill to them."""
+        from kvcr.transport.nixl_files import NixlFileTransport  # the only nixl import here
+
+        opts = self.g3_options
+        files = G3Files(opts.paths, opts.capacity_bytes_per_file, self.memory.block_sizes[0])
+        try:
+            transport = NixlFileTransport(
+                f"{self.config.nixl_agent_name}-g3", opts.backend, dict(opts.backend_options)
+            )
+            transport.open(self.memory.segments, [(f.fd, f.size) for f in files.files])
+        except BaseException:
+            files.close()
+            raise
+        transfers = Transfers(transport, self.log, fine)
+        root.start_soon(transfers.run)
+        self.g3 = G3Tier(
+            files=files,
+            transport=transport,
+            transfers=transfers,
+            score=local.g3_score,
+            on_removed=local.g3_removed,
+            log=self.log,
+        )
+        self.g3.view = self.g3_view
+        local.g3, local.spawn = self.g3, root.start_soon
+
+    def _close_g3(self, leaked: bool) -> None:
+        assert self.g3 is not None
+        if leaked or self.g3.transfers.in_flight:
+            self.log.error("g3_kept", reason="G3 transfers in flight at close")
+            return
+        self.g3.transport.close()
+        self.g3.files.close()
 
     def _start_warm(self, local: LocalG2, buf: memoryview) -> None:
         """Recover the blocks the group's journal holds, then mirror changes into it."""
@@ -251,6 +296,8 @@ class Runtime:
         peers = self.peers
         with trio.move_on_after(self.config.abandon_timeout_ms / 1000):
             await self.transfers.wait_idle()
+            if self.g3 is not None:
+                await self.g3.transfers.wait_idle()
             while peers is not None and peers.pulls_in_flight():
                 await trio.sleep(0.005)
         return self.transfers.in_flight == 0 and not (peers and peers.pulls_in_flight())
@@ -328,14 +375,18 @@ class Runtime:
         """deliver or fetch: keys in local G2 locally, keys the request's hint covers from
         the hinted peer, both at once; other keys fail."""
         resident = [k for k in op.keys if self.index.get(k) is not None]
+        g3_keys: list[BlockKey] = []
+        if self.g3 is not None:
+            in_g2 = set(resident)
+            g3_keys = [k for k in op.keys if k not in in_g2 and k in self.g3]
         remote_keys: list[BlockKey] = []
         if remote is not None and self.remote is not None:
-            held = set(resident)
+            held = set(resident).union(g3_keys)
             remote_keys = [k for k in op.keys if k not in held and k in remote[2]]
         op.remote_keys = frozenset(remote_keys)
         if remote_keys and remote is not None:
             op.hint_request = remote[1]
-        missing = set(op.keys).difference(resident, remote_keys)
+        missing = set(op.keys).difference(resident, remote_keys, g3_keys)
         if missing:
             op.failure = f"{op.kind}: {len(missing)} keys are neither local nor covered by a hint"
             self.outbox.answer(op, dict.fromkeys(missing, FAILED))
@@ -347,6 +398,12 @@ class Runtime:
                 parts.append(self.local.fetch(op, resident))
         elif resident:
             self.outbox.answer(op, dict.fromkeys(resident, FAILED))
+        if g3_keys:
+            assert self.local is not None
+            if op.kind == "deliver":
+                parts.append(self.local.deliver_g3(op, destinations, g3_keys))
+            else:
+                parts.append(self.local.fetch_g3(op, g3_keys))
         if remote_keys:
             assert self.remote is not None and remote is not None
             if op.kind == "deliver":

@@ -1,0 +1,129 @@
+"""G3 behind local G2, through the public API on real NIXL (UCX for G2, POSIX for G3):
+blocks evicted from a full pool spill to the files by policy, `query` says they are
+fetchable from G3, `deliver` and `fetch` bring them back byte-exact, and a damaged file
+turns its keys into misses, never into wrong bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine_sim import EngineSim, Recorder
+from kvcr import KVCR
+from kvcr.config import G3Options
+from kvcr.types import CacheTier, QueryStatus
+
+pytestmark = pytest.mark.integration
+
+BLOCK = 64 * 1024
+HIT = (QueryStatus.HIT, CacheTier.LOCAL_G2)
+IN_G3 = (QueryStatus.FETCHABLE, CacheTier.G3)
+
+
+def key(i: int) -> bytes:
+    return b"blk-%04d" % i
+
+
+class Instance:
+    def __init__(self, tmp_path: Path, name: str = "g3w") -> None:
+        self.engine = EngineSim(name=name, layouts=[("", BLOCK)], pool_blocks=4, region_blocks=32)
+        self.recorder = Recorder()
+        self.g3 = G3Options(
+            paths=(tmp_path / "d0" / "g3.bin", tmp_path / "d1" / "g3.bin"),
+            capacity_bytes_per_file=8 * BLOCK,
+        )
+        backends = dataclasses.replace(self.engine.backend_configs, g3=self.g3)
+        self.kv = KVCR(self.engine.config, self.recorder.bindings(), backends)
+        self.sums: dict[int, list[int]] = {}
+
+    def deposit(self, ids: list[int]) -> dict:
+        for i in ids:
+            self.engine.write(i, seed=i)
+            self.sums[i] = self.engine.checksum(i)
+        handle = self.kv.deposit({key(i): self.engine.refs(i) for i in ids})
+        return self.engine.statuses(self.engine.wait(self.kv, handle, len(ids)))
+
+    def deliver(self, pairs: list[tuple[int, int]]) -> dict:
+        handle = self.kv.deliver({key(i): self.engine.refs(e) for i, e in pairs})
+        return self.engine.statuses(self.engine.wait(self.kv, handle, len(pairs)))
+
+    def close(self) -> None:
+        self.kv.close()
+
+
+@pytest.fixture
+def inst(tmp_path):
+    instance = Instance(tmp_path)
+    yield instance
+    instance.close()
+
+
+def test_evicted_blocks_spill_to_g3_and_come_back_byte_exact(inst) -> None:
+    assert set(inst.deposit([0, 1, 2, 3]).values()) == {"SUCCESS"}
+    # The pool holds 4: these evict 0..3, which the G3 policy moves to the files first.
+    assert set(inst.deposit([4, 5, 6, 7]).values()) == {"SUCCESS"}
+
+    assert inst.kv.query([key(i) for i in range(8)]) == [IN_G3] * 4 + [HIT] * 4
+    assert sorted(inst.recorder.inventory_keys(removed=False)) == sorted(
+        [key(i) for i in range(8)] + [key(i) for i in range(4)]  # G2 adds, then G3 adds
+    )
+
+    result = inst.deliver([(i, 20 + i) for i in range(4)])
+    assert set(result.values()) == {"SUCCESS"}
+    for i in range(4):
+        assert inst.engine.checksum(20 + i) == inst.sums[i]
+
+
+def test_fetch_brings_a_g3_block_back_into_g2_claimed(inst) -> None:
+    inst.deposit([0, 1, 2, 3])
+    inst.deposit([4, 5, 6, 7])
+
+    handle = inst.kv.fetch([key(0)])
+    (entry,) = inst.engine.wait(inst.kv, handle, 1).values()
+
+    assert entry.success and entry.release_handle is not None
+    assert inst.kv.query([key(0)]) == [HIT]
+    slot = entry.descriptors[0].element_index
+    pool = inst.engine.pools[0]
+    import zlib
+
+    assert [zlib.crc32(pool[slot * BLOCK : (slot + 1) * BLOCK].tobytes())] == inst.sums[0]
+    inst.kv.release([entry.release_handle])
+
+
+def test_a_zeroed_g3_file_never_yields_wrong_bytes(inst) -> None:
+    inst.deposit([0, 1, 2, 3])
+    inst.deposit([4, 5, 6, 7])
+    path = inst.g3.paths[0]
+    with open(path, "r+b") as f:
+        f.write(bytes(path.stat().st_size))
+
+    result = inst.deliver([(i, 20 + i) for i in range(4)])
+
+    # Slots are striped: file 0 held half of the spilled blocks; those are now misses.
+    assert sorted(result.values()) == ["FAILED", "FAILED", "SUCCESS", "SUCCESS"]
+    for i in range(4):
+        if result[key(i)] == "SUCCESS":
+            assert inst.engine.checksum(20 + i) == inst.sums[i]
+    assert inst.kv.query([key(i) for i in range(4)]).count(IN_G3) == 2
+
+
+def test_a_second_process_on_the_same_g3_path_is_refused(inst, tmp_path) -> None:
+    code = f"""
+import dataclasses, sys
+sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+from pathlib import Path
+from engine_sim import EngineSim, Recorder
+from kvcr import KVCR
+from kvcr.config import G3Options
+engine = EngineSim(name="other", layouts=[("", {BLOCK})], pool_blocks=4)
+g3 = G3Options(paths=(Path({str(inst.g3.paths[0])!r}),), capacity_bytes_per_file={8 * BLOCK})
+KVCR(engine.config, Recorder().bindings(), dataclasses.replace(engine.backend_configs, g3=g3))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert out.returncode != 0
+    assert "another process holds it" in out.stderr and str(inst.g3.paths[0]) in out.stderr
