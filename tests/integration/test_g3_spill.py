@@ -15,7 +15,16 @@ import pytest
 from engine_sim import EngineSim, Recorder
 from kvcr import KVCR
 from kvcr.config import G3Options
-from kvcr.types import CacheTier, QueryStatus
+from kvcr.policy import G3LRUPolicy
+from kvcr.telemetry import (
+    DURATION_METRIC,
+    STATE_METRIC,
+    TRANSFER_BLOCKS_METRIC,
+    TRANSFER_BYTES_METRIC,
+    InMemoryStats,
+)
+from kvcr.transport.base import TransportError
+from kvcr.types import CacheTier, PlacementAction, QueryStatus
 
 pytestmark = pytest.mark.integration
 
@@ -29,15 +38,22 @@ def key(i: int) -> bytes:
 
 
 class Instance:
-    def __init__(self, tmp_path: Path, name: str = "g3w") -> None:
-        self.engine = EngineSim(name=name, layouts=[("", BLOCK)], pool_blocks=4, region_blocks=32)
+    def __init__(self, tmp_path: Path, name: str = "g3w", **bindings: object) -> None:
+        self.engine = EngineSim(
+            name=name,
+            layouts=[("", BLOCK)],
+            pool_blocks=4,
+            region_blocks=32,
+            enable_telemetry=True,
+        )
         self.recorder = Recorder()
         self.g3 = G3Options(
             paths=(tmp_path / "d0" / "g3.bin", tmp_path / "d1" / "g3.bin"),
             capacity_bytes_per_file=8 * BLOCK,
         )
         backends = dataclasses.replace(self.engine.backend_configs, g3=self.g3)
-        self.kv = KVCR(self.engine.config, self.recorder.bindings(), backends)
+        bindings.setdefault("stats_factory", InMemoryStats)
+        self.kv = KVCR(self.engine.config, self.recorder.bindings(**bindings), backends)
         self.sums: dict[int, list[int]] = {}
 
     def deposit(self, ids: list[int]) -> dict:
@@ -95,12 +111,76 @@ def test_fetch_brings_a_g3_block_back_into_g2_claimed(inst) -> None:
     inst.kv.release([entry.release_handle])
 
 
-def test_a_zeroed_g3_file_never_yields_wrong_bytes(inst) -> None:
+def test_least_recently_used_blocks_spill_first(inst) -> None:
+    inst.deposit([0, 1, 2, 3])
+    assert set(inst.deliver([(1, 20), (0, 21)]).values()) == {"SUCCESS"}  # 0, 1 are recent
+
+    inst.deposit([4, 5])
+
+    assert inst.kv.query([key(i) for i in range(6)]) == [HIT, HIT, IN_G3, IN_G3, HIT, HIT]
+
+
+def test_g3_traffic_is_measured_in_its_own_scopes_with_state_gauges(inst) -> None:
+    inst.deposit([0, 1, 2, 3])
+    inst.deposit([4, 5, 6, 7])
+    inst.deliver([(0, 20), (1, 21)])
+    stats = inst.kv.get_stats()
+
+    assert stats.counters[(TRANSFER_BLOCKS_METRIC, ("g3_store",))] == 4
+    assert stats.counters[(TRANSFER_BYTES_METRIC, ("g3_store",))] == 4 * BLOCK
+    assert stats.counters[(TRANSFER_BYTES_METRIC, ("g3_deliver",))] == 2 * BLOCK
+    assert len(stats.histograms[(DURATION_METRIC, ("g3_store", "success"))]) == 1
+    assert (TRANSFER_BYTES_METRIC, ("local_deliver",)) not in stats.counters
+    assert stats.gauges[(STATE_METRIC, ("g3_blocks",))] == 4
+    assert stats.gauges[(STATE_METRIC, ("g3_capacity_bytes",))] == 16 * BLOCK
+
+
+class KeepOnFailedSpill(G3LRUPolicy):
+    def __init__(self) -> None:
+        super().__init__()
+        self.failures: list[str] = []
+
+    def decide_recovery(self, meta, failure):
+        self.failures.append(failure.reason)
+        return (PlacementAction.KEEP, None)
+
+
+def test_a_failed_store_goes_to_the_policy(tmp_path) -> None:
+    policy = KeepOnFailedSpill()
+    inst = Instance(tmp_path, policy=policy)
+    try:
+        inst.deposit([0, 1, 2, 3])
+        g3 = inst.kv._runtime.g3
+
+        def refuse(*args: object) -> object:
+            raise TransportError("injected: the file backend refuses")
+
+        g3.transport.post = refuse  # fault injection on the real transport object
+        result = inst.deposit([4])
+
+        # The policy kept the block: it stays in G2, nothing was lost, and the new deposit
+        # had no room.
+        assert policy.failures == ["G3 store failed"]
+        assert result == {key(4): "FAILED"}
+        assert inst.kv.query([key(0)]) == [HIT]
+    finally:
+        inst.close()
+
+
+@pytest.mark.parametrize("damage", ["delete", "truncate", "zero"])
+def test_a_damaged_g3_file_never_yields_wrong_bytes(inst, damage) -> None:
     inst.deposit([0, 1, 2, 3])
     inst.deposit([4, 5, 6, 7])
     path = inst.g3.paths[0]
-    with open(path, "r+b") as f:
-        f.write(bytes(path.stat().st_size))
+    if damage == "delete":
+        path.unlink()
+    elif damage == "truncate":
+        import os
+
+        os.truncate(path, 4096)
+    else:
+        with open(path, "r+b") as f:
+            f.write(bytes(path.stat().st_size))
 
     result = inst.deliver([(i, 20 + i) for i in range(4)])
 
@@ -120,6 +200,15 @@ from pathlib import Path
 from engine_sim import EngineSim, Recorder
 from kvcr import KVCR
 from kvcr.config import G3Options
+from kvcr.policy import G3LRUPolicy
+from kvcr.telemetry import (
+    DURATION_METRIC,
+    STATE_METRIC,
+    TRANSFER_BLOCKS_METRIC,
+    TRANSFER_BYTES_METRIC,
+    InMemoryStats,
+)
+from kvcr.transport.base import TransportError
 engine = EngineSim(name="other", layouts=[("", {BLOCK})], pool_blocks=4)
 g3 = G3Options(paths=(Path({str(inst.g3.paths[0])!r}),), capacity_bytes_per_file={8 * BLOCK})
 KVCR(engine.config, Recorder().bindings(), dataclasses.replace(engine.backend_configs, g3=g3))

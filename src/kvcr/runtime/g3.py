@@ -20,6 +20,7 @@ import trio
 from kvcr.g3.files import G3Files, Record, key_digest
 from kvcr.runtime.index import Block, BlockIndex, BlockState, SlotPool
 from kvcr.runtime.transfers import Transfers, Xfer
+from kvcr.telemetry import SCOPE_G3_FILL, SCOPE_G3_STORE, result_label
 from kvcr.transport.base import TransportError
 from kvcr.types import BlockKey, CacheTier, QueryStatus
 
@@ -36,6 +37,7 @@ class G3Tier:
         score: Callable[[Block], float],
         on_removed: Callable[[list[BlockKey]], None],
         log: Any,
+        telemetry: Any = None,
     ) -> None:
         self.files = files
         self.transport = transport
@@ -44,6 +46,7 @@ class G3Tier:
         self.view: dict[BlockKey, tuple[QueryStatus, CacheTier]] = {}
         self._score = score
         self._on_removed = on_removed
+        self._telemetry = telemetry
         self.log = log
         self._generations: dict[int, int] = {}  # slot -> generation of its record
         # Generations only grow, across restarts too: a record written by an earlier
@@ -59,7 +62,22 @@ class G3Tier:
     async def store(self, items: Sequence[tuple[BlockKey, int]], what: str) -> set[BlockKey]:
         """Copy host descriptors into G3 slots (``items``: key, descriptor index), evicting
         G3 blocks by score for room. Returns the keys now committed in G3."""
-        items = [(k, d) for k, d in items if self.index.get(k) is None]
+        started = trio.current_time()
+        stored = await self._store([(k, d) for k, d in items if self.index.get(k) is None], what)
+        self._record(SCOPE_G3_STORE, started, len(stored), len(items))
+        return stored
+
+    def _record(self, scope: str, started: float, done: int, wanted: int) -> None:
+        if self._telemetry is not None and wanted:
+            self._telemetry.record(
+                scope,
+                trio.current_time() - started,
+                result_label(done, wanted),
+                done,
+                done * self.files.block,
+            )
+
+    async def _store(self, items: list[tuple[BlockKey, int]], what: str) -> set[BlockKey]:
         room = self._make_room(len(items))
         items = items[:room]
         if not items:
@@ -127,9 +145,18 @@ class G3Tier:
             self._on_removed([key])
         return None
 
-    async def read(self, items: Sequence[tuple[BlockKey, int]], what: str) -> set[BlockKey]:
+    async def read(
+        self, items: Sequence[tuple[BlockKey, int]], what: str, scope: str = SCOPE_G3_FILL
+    ) -> set[BlockKey]:
         """Copy G3 blocks into host descriptors (``items``: key, descriptor index). Returns
-        the keys whose bytes arrived and were still vouched for after the copy."""
+        the keys whose bytes arrived and were still vouched for after the copy. ``scope``
+        labels its telemetry (``g3_fill`` into G2, ``g3_deliver`` into engine memory)."""
+        started = trio.current_time()
+        got = await self._read(items, what)
+        self._record(scope, started, len(got), len(items))
+        return got
+
+    async def _read(self, items: Sequence[tuple[BlockKey, int]], what: str) -> set[BlockKey]:
         wanted = [(self.verified(k), d) for k, d in items]
         wanted = [(b, d) for b, d in wanted if b is not None]
         if not wanted:

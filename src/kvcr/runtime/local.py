@@ -27,6 +27,7 @@ from kvcr.runtime.index import Block, BlockIndex, BlockState
 from kvcr.runtime.memory import MemoryMap
 from kvcr.runtime.ops import DROPPED, FAILED, SUCCESS, Operation, Outbox
 from kvcr.runtime.transfers import Transfers, Xfer
+from kvcr.telemetry import SCOPE_G3_DELIVER
 from kvcr.transport.base import TransportError
 from kvcr.types import (
     BlockKey,
@@ -558,12 +559,13 @@ class LocalG2:
         """Read G3 blocks straight into the engine's destinations."""
         assert self.g3 is not None
         live = [k for k in keys if op.live(k)]
-        got = await self.g3.read([(k, destinations[k][0]) for k in live], f"deliver op {op.handle}")
+        got = await self.g3.read(
+            [(k, destinations[k][0]) for k in live], f"deliver op {op.handle}", SCOPE_G3_DELIVER
+        )
         answers = {k: SUCCESS if k in got else FAILED for k in live if op.live(k)}
         if len(got) < len(live):
             op.failure = op.failure or "deliver: some G3 blocks could not be read back"
-        op.moved += len(got)
-        self.outbox.answer(op, answers)
+        self.outbox.answer(op, answers)  # bytes are counted under g3_deliver
 
     async def fetch_g3(self, op: Operation, keys: Sequence[BlockKey]) -> None:
         """Fill G2 slots from G3; each success is claimed like any fetch."""
@@ -597,8 +599,7 @@ class LocalG2:
                     answers[block.key] = FAILED
             fill_over(block)
         self.index.flush_journal()
-        op.moved += len(added)
-        if added:
+        if added:  # bytes are counted under g3_fill
             self.callbacks.inventory(InventoryEvent(tuple(added), CacheTier.LOCAL_G2, False))
         if len(added) < len(live):
             op.failure = op.failure or "fetch: some G3 blocks could not be read back"

@@ -234,9 +234,19 @@ class Runtime:
             score=local.g3_score,
             on_removed=local.g3_removed,
             log=self.log,
+            telemetry=self.telemetry,
         )
         self.g3.view = self.g3_view
         local.g3, local.spawn = self.g3, root.start_soon
+
+    def _g3_gauges(self) -> dict[str, float]:
+        assert self.g3 is not None
+        pool = self.g3.index.pools[0]
+        return {
+            "g3_capacity_bytes": pool.capacity * pool.block_size,
+            "g3_used_bytes": pool.used * pool.block_size,
+            "g3_blocks": len(self.g3.view),
+        }
 
     def _close_g3(self, leaked: bool) -> None:
         assert self.g3 is not None
@@ -510,5 +520,6 @@ class Runtime:
             "transfers_in_flight": self.transfers.in_flight if self.transfers else 0,
             "release_handles": len(self.live_handles),
             **({"journal_fill_percent": self.mirror.fill_percent} if self.mirror else {}),
+            **(self._g3_gauges() if self.g3 is not None else {}),
             **(self.peers.gauges() if self.peers is not None else {}),
         }
