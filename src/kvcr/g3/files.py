@@ -212,6 +212,57 @@ class G3Files:
         f, offset = self.record_offset(slot)
         return decode_record(os.pread(f.fd, RECORD_SIZE, offset))
 
+    def _runs(self, slots: list[int]) -> list[tuple[G3File, int, list[int]]]:
+        """``slots`` grouped into runs of consecutive records in one file: (file, offset of
+        the first record, the run's slots in order)."""
+        n = len(self.files)
+        runs: list[tuple[G3File, int, list[int]]] = []
+        for slot in sorted(slots):
+            f, local = self.files[slot % n], slot // n
+            offset = RECORD_SIZE * (1 + local)
+            if runs and runs[-1][0] is f and runs[-1][1] + RECORD_SIZE * len(runs[-1][2]) == offset:
+                runs[-1][2].append(slot)
+            else:
+                runs.append((f, offset, [slot]))
+        return runs
+
+    def write_records(self, records: dict[int, Record | None]) -> None:
+        """Write (or clear, for None) many slots' records: one pwrite per run."""
+        for f, offset, slots in self._runs(list(records)):
+            data = b"".join(
+                bytes(RECORD_SIZE) if records[s] is None else encode_record(records[s])
+                for s in slots
+            )
+            os.pwrite(f.fd, data, offset)
+
+    def read_records(self, slots: list[int]) -> dict[int, Record | None]:
+        """Many slots' records: one pread per run."""
+        out: dict[int, Record | None] = {}
+        for f, offset, run in self._runs(slots):
+            data = os.pread(f.fd, RECORD_SIZE * len(run), offset)
+            for i, slot in enumerate(run):
+                out[slot] = decode_record(data[i * RECORD_SIZE : (i + 1) * RECORD_SIZE])
+        return out
+
+    def check_many(self, expected: dict[int, tuple[bytes, int]]) -> set[int]:
+        """The slots of ``expected`` (slot -> (key, generation)) that their files and
+        records still vouch for; each file is checked once."""
+        n = len(self.files)
+        sound = {f.index for f in {self.files[s % n] for s in expected} if self.file_ok(f)}
+        candidates = [s for s in expected if s % n in sound]
+        records = self.read_records(candidates)
+        ok = set()
+        for slot in candidates:
+            record = records.get(slot)
+            key, generation = expected[slot]
+            if (
+                record is not None
+                and record.generation == generation
+                and record.digest == key_digest(key)
+            ):
+                ok.add(slot)
+        return ok
+
     def check(self, slot: int, key: bytes, generation: int) -> bool:
         """True if ``slot`` still holds ``key`` as stored in ``generation``, in a sound file."""
         f, _ = self.place(slot)

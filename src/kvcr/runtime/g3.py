@@ -83,22 +83,29 @@ class G3Tier:
         if not items:
             return set()
         blocks = self.index.add_filling_batch([k for k, _ in items], trio.current_time())
-        for block in blocks:
-            self.files.clear_record(block.slots[0])
+        try:
+            self.files.write_records(dict.fromkeys((b.slots[0] for b in blocks), None))
+        except OSError as exc:
+            self.log.warning("g3_record_failed", what=what, error=str(exc))
+            for block in blocks:
+                self.index.remove(block)
+            return set()
         xfer = await self._move("WRITE", [d for _, d in items], blocks, what)
+        done = [b for b in blocks if xfer is not None and xfer.ok and self.index.holds(b)]
+        records = {}
+        for block in done:
+            records[block.slots[0]] = Record(self._next_generation, key_digest(block.key))
+            self._next_generation += 1
+        try:
+            self.files.write_records(records)
+        except OSError as exc:
+            self.log.warning("g3_record_failed", what=what, error=str(exc))
+            done, records = [], {}
         stored: set[BlockKey] = set()
         for block in blocks:
-            if xfer is not None and xfer.ok and self.index.holds(block):
-                slot = block.slots[0]
-                generation = self._next_generation
-                self._next_generation += 1
-                try:
-                    self.files.write_record(slot, Record(generation, key_digest(block.key)))
-                except OSError as exc:
-                    self.log.warning("g3_record_failed", slot=slot, error=str(exc))
-                    self.index.remove(block)
-                    continue
-                self._generations[slot] = generation
+            slot = block.slots[0]
+            if slot in records and self.index.holds(block):
+                self._generations[slot] = records[slot].generation
                 self.index.commit(block, self._score(block))
                 self.view[block.key] = FETCHABLE_G3
                 stored.add(block.key)
@@ -156,9 +163,30 @@ class G3Tier:
         self._record(scope, started, len(got), len(items))
         return got
 
+    def verified_many(self, keys: Sequence[BlockKey]) -> dict[BlockKey, Block]:
+        """:meth:`verified` for many keys, with one file check per file and one record read
+        per run of slots."""
+        blocks = {}
+        for key in keys:
+            block = self.index.get(key)
+            if block is not None and block.state is BlockState.READY:
+                blocks[block.slots[0]] = block
+        expected = {s: (b.key, self._generations.get(s, -1)) for s, b in blocks.items()}
+        sound = self.files.check_many(expected)
+        lost = [b for s, b in blocks.items() if s not in sound]
+        if lost:
+            self.log.warning("g3_record_invalid", blocks=len(lost), reason="file or record changed")
+            forgotten = [b.key for b in lost if b.claims == 0]
+            for block in lost:
+                if block.claims == 0:
+                    self._forget(block)
+            if forgotten:
+                self._on_removed(forgotten)
+        return {b.key: b for s, b in blocks.items() if s in sound}
+
     async def _read(self, items: Sequence[tuple[BlockKey, int]], what: str) -> set[BlockKey]:
-        wanted = [(self.verified(k), d) for k, d in items]
-        wanted = [(b, d) for b, d in wanted if b is not None]
+        vouched = self.verified_many([k for k, _ in items])
+        wanted = [(vouched[k], d) for k, d in items if k in vouched]
         if not wanted:
             return set()
         for block, _ in wanted:
@@ -175,7 +203,8 @@ class G3Tier:
                     self.index.rescore(block, self._score(block))
         if xfer is None or not xfer.ok:
             return set()
-        return {b.key for b, _ in wanted if self.verified(b.key) is b}
+        still = self.verified_many([b.key for b, _ in wanted])
+        return {b.key for b, _ in wanted if still.get(b.key) is b}
 
     async def _move(
         self, op: str, descriptors: list[int], blocks: list[Block], what: str
@@ -189,7 +218,11 @@ class G3Tier:
         nbytes = len(blocks) * self.files.block
         xfer = self.transfers.track(handle, what, nbytes, lambda _x: None)
         # The transfer reads or writes these slots until it is terminal, whatever happens
-        # to the caller: wait for it even when cancelled.
+        # to the caller: wait for it even when cancelled. NIXL's file backends do their
+        # work inside polls (~4 rounds for a batch), so poll between scheduler passes
+        # rather than on a timer: a 1 ms cadence would triple the time of a 16 MiB batch.
         with trio.CancelScope(shield=True):
-            await xfer.done.wait()
+            while not xfer.done.is_set():
+                await trio.lowlevel.checkpoint()
+                self.transfers.poll_now(xfer)
         return xfer

@@ -81,6 +81,11 @@ class Transfers:
             self._work.set()
         return xfer
 
+    def poll_now(self, xfer: Xfer) -> None:
+        """Poll one transfer at once (for transports that only progress while polled)."""
+        if xfer in self._in_flight:
+            self._check(xfer)
+
     def _check(self, xfer: Xfer) -> None:
         try:
             state = self.transport.poll(xfer.handle)
