@@ -15,8 +15,9 @@ Rows (median over repetitions, 64 blocks of 1 MiB and 256 blocks of 64 KiB per b
   the engine call until ``poll_completed`` returned every entry (engine poll), beside the
   bare agent reading the same blocks from the same file offsets.
 
-Target: kvcr >= 0.85x raw NIXL. Files live in ``$TMPDIR`` (the page cache serves both sides
-alike; bytes are checked with CRCs once per case).
+Target: kvcr >= 0.85x raw NIXL. Files live in ``$TMPDIR``; raw NIXL cycles through the file
+slots as kvcr does, so that both touch as many distinct page-cache pages (writing a fixed
+range again would stay cached and flatter raw). Bytes are checked with CRCs once per case.
 """
 
 from __future__ import annotations
@@ -60,11 +61,16 @@ class RawPosix:
         )
         self.region = region
 
-    def run(self, op: str, block: int, count: int, area: int) -> float:
+    def run(self, op: str, block: int, count: int, area: int, first: int, slots: int) -> float:
+        """``count`` blocks between the region and file slots ``first``.. (striped, wrapping
+        at ``slots`` per file), the access pattern kvcr's spills and fills have."""
         base = self.region.ctypes.data
         local = [(base + i * block, block, 0) for i in range(count)]
         nfiles = len(self.fds)
-        remote = [(area + (i // nfiles) * block, block, self.fds[i % nfiles]) for i in range(count)]
+        remote = [
+            (area + ((first + i) // nfiles % slots) * block, block, self.fds[(first + i) % nfiles])
+            for i in range(count)
+        ]
         t0 = time.perf_counter()
         handle = self.agent.initialize_xfer(
             op,
@@ -170,8 +176,11 @@ def bench_case(rows: list[Row], label: str, block: int, count: int, reps: int, q
             else:
                 store_s.append(observed[-1])
                 fill_s.append(elapsed)
-                raw_store_s.append(raw.run("WRITE", block, count, area))
-                raw_fill_s.append(raw.run("READ", block, count, area))
+                # The same number of distinct file pages as kvcr, which cycles through all
+                # its slots: a fixed range would stay in the page cache and flatter raw.
+                first = rep * count
+                raw_store_s.append(raw.run("WRITE", block, count, area, first, 2 * count))
+                raw_fill_s.append(raw.run("READ", block, count, area, first, 2 * count))
             previous = fresh
     finally:
         if raw is not None:
