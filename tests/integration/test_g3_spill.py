@@ -216,3 +216,76 @@ KVCR(engine.config, Recorder().bindings(), dataclasses.replace(engine.backend_co
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert out.returncode != 0
     assert "another process holds it" in out.stderr and str(inst.g3.paths[0]) in out.stderr
+
+
+# --- G3 behind a guard: the next holder of the group reopens the files, keeps what is valid --
+
+
+def guarded(tmp_path: Path, guard, name: str) -> tuple[KVCR, EngineSim, object]:
+    from kvcr.config import KVCRGuardConfig
+    from kvcr.control_channels import ZmqPeerControlChannel
+
+    engine = EngineSim(name=name, layouts=[("", BLOCK)], pool_blocks=1, region_blocks=32)
+    g3 = G3Options(
+        paths=(tmp_path / "d0" / "g3.bin", tmp_path / "d1" / "g3.bin"),
+        capacity_bytes_per_file=8 * BLOCK,
+    )
+    channel = ZmqPeerControlChannel("127.0.0.1", guard.port, "127.0.0.1")
+    recorder = Recorder()
+    kv = KVCR(
+        engine.config,
+        recorder.bindings(framework_control=channel),
+        dataclasses.replace(engine.backend_configs, local_dram=None, g3=g3),
+        KVCRGuardConfig(guard.socket_path, 0, guard.digest),
+    )
+    return kv, engine, recorder
+
+
+@pytest.fixture
+def guard(tmp_path):
+    from procs import GuardProcess, free_port
+
+    (tmp_path / "svc").mkdir()
+    service = GuardProcess(tmp_path / "svc", guard_count=1, pool_sizes_gb=str(4 * BLOCK / 2**30))
+    service.port = free_port()
+    yield service
+    assert service.stop() == 0, service.log()
+
+
+@pytest.mark.parametrize("damaged", [False, True], ids=["intact", "one-file-zeroed"])
+def test_the_next_holder_of_a_group_keeps_its_valid_g3_blocks(tmp_path, guard, damaged) -> None:
+    kv, engine, _ = guarded(tmp_path, guard, "first")
+    sums = {}
+    try:
+        for i in range(8):
+            engine.write(i, seed=50 + i)
+            sums[i] = engine.checksum(i)
+        for batch in (range(4), range(4, 8)):  # the pool holds 4: the second batch spills
+            handle = kv.deposit({key(i): engine.refs(i) for i in batch})
+            assert set(engine.statuses(engine.wait(kv, handle, 4)).values()) == {"SUCCESS"}
+        assert kv.query([key(i) for i in range(8)]) == [IN_G3] * 4 + [HIT] * 4
+    finally:
+        kv.close()
+    if damaged:
+        path = tmp_path / "d0" / "g3.bin"
+        with open(path, "r+b") as f:
+            f.write(bytes(path.stat().st_size))
+
+    heir, engine2, recorder = guarded(tmp_path, guard, "heir")
+    try:
+        answers = heir.query([key(i) for i in range(8)])
+        in_g3 = [i for i in range(8) if answers[i] == IN_G3]
+        assert len(in_g3) == (2 if damaged else 4)
+        assert [answers[i] for i in range(4, 8)] == [HIT] * 4
+        assert sorted(recorder.inventory_keys(removed=False)) == sorted(
+            [key(i) for i in range(4, 8)] + [key(i) for i in in_g3]
+        )
+        handle = heir.deliver({key(i): engine2.refs(10 + i) for i in range(8)})
+        result = engine2.statuses(engine2.wait(heir, handle, 8))
+        for i in range(8):
+            if i in in_g3 or i >= 4:
+                assert result[key(i)] == "SUCCESS" and engine2.checksum(10 + i) == sums[i]
+            else:
+                assert result[key(i)] == "FAILED"  # a miss, never wrong bytes
+    finally:
+        heir.close()

@@ -82,7 +82,23 @@ def test_puts_and_removes_replay_in_order() -> None:
     w.remove(b"a")
     w.put(b"c", (9,), tier=PUT_G3)
     w.flush()
-    assert read(buf).state == {b"b": g2(2, 8), b"c": Residency(PUT_G3, (9,))}
+    assert read(buf).state == {b"b": g2(2, 8)}
+    assert read(buf).g3 == {b"c": Residency(PUT_G3, (9,))}
+
+
+def test_a_key_can_be_in_g2_and_g3_and_leave_each_on_its_own() -> None:
+    buf = bytearray(SIZE)
+    w = Writer(buf, list)
+    w.put(b"k", (1,))
+    w.put(b"k", (5, 77), PUT_G3)
+    w.flush()
+    assert read(buf).state == {b"k": g2(1)} and read(buf).g3 == {b"k": Residency(PUT_G3, (5, 77))}
+    w.remove(b"k")  # evicted from G2: still in G3
+    w.flush()
+    assert read(buf).state == {} and read(buf).g3 == {b"k": Residency(PUT_G3, (5, 77))}
+    w.remove_batch([b"k"], journal.REMOVE_G3)
+    w.flush()
+    assert read(buf).g3 == {}
 
 
 def test_unflushed_changes_are_not_published() -> None:
@@ -281,7 +297,7 @@ def test_batches_replay_like_the_same_changes_one_by_one(batches) -> None:
                 w1.put(k, v, op)
             w2.put_batch(keys, values, op)
         assert w1.flush() and w2.flush()
-    assert read(one).state == read(many).state
+    assert read(one).state == read(many).state and read(one).g3 == read(many).g3
 
 
 def test_keys_of_mixed_lengths_in_a_batch_are_published_one_by_one() -> None:

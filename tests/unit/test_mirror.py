@@ -63,10 +63,9 @@ def test_the_mirror_snapshots_the_index_and_publishes_commits_and_removals() -> 
     block = idx.add_filling(b"new", now=0.0)
     idx.commit(block, score=0.0)
     idx.flush_journal()
-    assert journal.read(buf).state == {
-        b"on-disk": journal.Residency(journal.PUT_G3, (7, 4096)),
-        b"new": journal.Residency(journal.PUT_G2, block.slots),
-    }
+    replay = journal.read(buf)
+    assert replay.state == {b"new": journal.Residency(journal.PUT_G2, block.slots)}
+    assert replay.g3 == {b"on-disk": journal.Residency(journal.PUT_G3, (7, 4096))}
     idx.remove(block)
     idx.flush_journal()
     assert b"new" not in journal.read(buf).state

@@ -27,7 +27,8 @@ the snapshot does not fit, recovery is disabled (a header with no active half) u
 state shrinks enough for a snapshot to fit again.
 
 Payload entries: ``op u8 | key length u16 | key | count u8 | count x u64``: ``op`` 1 puts the
-key in G2 slots (one per pool), 2 removes it, 3 puts it in G3 (the values say where). A
+key in G2 slots (one per pool), 2 removes it from G2, 3 puts it in G3 (the values say
+where), 5 removes it from G3; a key can be in both tiers at once. A
 batch of same-shaped changes is one entry: ``4 u8 | op u8 | n u32 | key length u16 | count
 u8 | n keys | n x count x u64`` (joined keys and one array of values: no per-key framing, so
 that publishing a deposit of hundreds of blocks costs little more than one entry).
@@ -56,7 +57,9 @@ DATA_START = 2 * HEADER_SLOT
 FRAME_HEAD = struct.Struct("<IIQQ")  # magic, payload length, epoch, seq
 CRC = struct.Struct("<I")
 ENTRY_HEAD = struct.Struct("<BH")
-PUT_G2, REMOVE, PUT_G3, BATCH = 1, 2, 3, 4
+PUT_G2, REMOVE, PUT_G3, BATCH, REMOVE_G3 = 1, 2, 3, 4, 5
+OPS = (PUT_G2, REMOVE, PUT_G3, REMOVE_G3)
+REMOVALS = (REMOVE, REMOVE_G3)
 BATCH_HEAD = struct.Struct("<BBIHB")  # BATCH, op, n, key length, values per key
 MAX_KEY = 0xFFFF
 MAX_VALUES = 0xFF
@@ -79,13 +82,14 @@ class Residency:
 class Replay:
     """What a reader recovered: the committed state, and how it got it."""
 
-    state: dict[bytes, Residency]
+    state: dict[bytes, Residency]  # G2 residencies
     epoch: int
     frames: int
     used: int  # bytes of the active half in use
     half_size: int
     disabled: bool
     start: int = DATA_START  # offset of the active half in the buffer
+    g3: dict[bytes, Residency] = attrs.field(factory=dict)  # G3 residencies
 
 
 def _align8(n: int) -> int:
@@ -122,8 +126,12 @@ def encode_entries(entries: Iterable[tuple[int, bytes, tuple[int, ...]]]) -> byt
     return bytes(out)
 
 
-def apply_payload(state: dict[bytes, Residency], payload: bytes | memoryview) -> bool:
-    """Apply one frame's entries to ``state``; False (state untouched) if it is malformed."""
+def apply_payload(
+    state: dict[bytes, Residency], payload: bytes | memoryview, g3: dict | None = None
+) -> bool:
+    """Apply one frame's entries to ``state`` (G2) and ``g3``; False (both untouched) if it
+    is malformed."""
+    g3 = {} if g3 is None else g3
     changes: list[tuple[int, bytes, tuple[int, ...]]] = []
     pos, end = 0, len(payload)
     while pos < end:
@@ -136,7 +144,7 @@ def apply_payload(state: dict[bytes, Residency], payload: bytes | memoryview) ->
             return False
         op, klen = ENTRY_HEAD.unpack_from(payload, pos)
         pos += ENTRY_HEAD.size
-        if op not in (PUT_G2, REMOVE, PUT_G3) or pos + klen + 1 > end:
+        if op not in OPS or pos + klen + 1 > end:
             return False
         key = bytes(payload[pos : pos + klen])
         count = payload[pos + klen]
@@ -149,6 +157,10 @@ def apply_payload(state: dict[bytes, Residency], payload: bytes | memoryview) ->
     for op, key, values in changes:
         if op == REMOVE:
             state.pop(key, None)
+        elif op == REMOVE_G3:
+            g3.pop(key, None)
+        elif op == PUT_G3:
+            g3[key] = Residency(op, values)
         else:
             state[key] = Residency(op, values)
     return True
@@ -164,7 +176,7 @@ def _read_batch(
     pos += BATCH_HEAD.size
     keys_end = pos + n * klen
     values_end = keys_end + 8 * n * count
-    if op not in (PUT_G2, REMOVE, PUT_G3) or (op == REMOVE) != (count == 0) or values_end > end:
+    if op not in OPS or (op in REMOVALS) != (count == 0) or values_end > end:
         return -1
     values = struct.unpack_from(f"<{n * count}Q", payload, keys_end)
     for i in range(n):
@@ -182,7 +194,7 @@ def encode_batch(op: int, keys: list[bytes], values: list[tuple[int, ...]] | Non
     if len(klens) != 1 or len(counts) != 1:
         return None
     (klen,), (count,) = klens, counts
-    if klen > MAX_KEY or count > MAX_VALUES or (op == REMOVE) != (count == 0):
+    if klen > MAX_KEY or count > MAX_VALUES or (op in REMOVALS) != (count == 0):
         return None
     flat = () if values is None else (values if count == 1 else itertools.chain(*values))
     packed = array.array("Q", [v[0] for v in flat] if count == 1 else flat)
@@ -226,7 +238,7 @@ def read(buf: memoryview | bytearray | bytes) -> Replay:
 
 
 def _replay_frames(
-    view: memoryview, base: int, half: int, epoch: int, pos: int, seq: int, state: dict
+    view: memoryview, base: int, half: int, epoch: int, pos: int, seq: int, state: dict, g3: dict
 ) -> tuple[int, int]:
     """Apply the whole frames from ``pos`` (expecting ``seq``) to ``state``; the position
     and seq after the last one."""
@@ -240,7 +252,7 @@ def _replay_frames(
         (crc,) = CRC.unpack_from(view, base + end)
         if zlib.crc32(view[base + pos : base + end]) != crc:
             break
-        if not apply_payload(state, view[base + pos + FRAME_HEAD.size : base + end]):
+        if not apply_payload(state, view[base + pos + FRAME_HEAD.size : base + end], g3):
             break
         pos = _align8(end + CRC.size)
         seq += 1
@@ -258,13 +270,14 @@ class Follower:
         self.half = _layout(len(self._view))
         self._header: tuple[int, int, int, int] | None = None
         self._state: dict[bytes, Residency] = {}
+        self._g3: dict[bytes, Residency] = {}
         self._pos = self._seq = 0
 
     def poll(self) -> Replay:
         view, half = self._view, self.half
         header = _read_header(view)
         if header != self._header:
-            self._header, self._state, self._pos, self._seq = header, {}, 0, 0
+            self._header, self._state, self._g3, self._pos, self._seq = header, {}, {}, 0, 0
         if header is None:
             return Replay({}, 0, 0, 0, half, disabled=False)
         _, epoch, active, header_half = header
@@ -272,10 +285,17 @@ class Follower:
             return Replay({}, epoch, 0, 0, half, disabled=active == NO_HALF)
         base = DATA_START + active * half
         self._pos, self._seq = _replay_frames(
-            view, base, half, epoch, self._pos, self._seq, self._state
+            view, base, half, epoch, self._pos, self._seq, self._state, self._g3
         )
         return Replay(
-            dict(self._state), epoch, self._seq, self._pos, half, disabled=False, start=base
+            dict(self._state),
+            epoch,
+            self._seq,
+            self._pos,
+            half,
+            disabled=False,
+            start=base,
+            g3=dict(self._g3),
         )
 
     def release(self) -> None:
@@ -328,10 +348,11 @@ class Writer:
         if entry is not None:
             self._pending += entry.pack(tier, len(key), key, len(values), *values)
 
-    def remove(self, key: bytes) -> None:
+    def remove(self, key: bytes, op: int = REMOVE) -> None:
+        """Record that ``key`` left G2 (``REMOVE``) or G3 (``REMOVE_G3``)."""
         entry = _ENTRIES.get((len(key), 0)) or self._refuse(len(key), 0)
         if entry is not None:
-            self._pending += entry.pack(REMOVE, len(key), key, 0)
+            self._pending += entry.pack(op, len(key), key, 0)
 
     def put_batch(
         self, keys: list[bytes], values: list[tuple[int, ...]], tier: int = PUT_G2
@@ -344,12 +365,12 @@ class Writer:
         else:
             self._pending += entry
 
-    def remove_batch(self, keys: list[bytes]) -> None:
+    def remove_batch(self, keys: list[bytes], op: int = REMOVE) -> None:
         """:meth:`remove` for many keys at once."""
-        entry = encode_batch(REMOVE, keys, None)
+        entry = encode_batch(op, keys, None)
         if entry is None:
             for key in keys:
-                self.remove(key)
+                self.remove(key, op)
         else:
             self._pending += entry
 

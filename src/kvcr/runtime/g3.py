@@ -38,6 +38,7 @@ class G3Tier:
         on_removed: Callable[[list[BlockKey]], None],
         log: Any,
         telemetry: Any = None,
+        journal: Any = None,
     ) -> None:
         self.files = files
         self.transport = transport
@@ -47,6 +48,7 @@ class G3Tier:
         self._score = score
         self._on_removed = on_removed
         self._telemetry = telemetry
+        self.journal = journal  # the recovery journal's mirror (guard groups), or None
         self.log = log
         self._generations: dict[int, int] = {}  # slot -> generation of its record
         # Generations only grow, across restarts too: a record written by an earlier
@@ -105,10 +107,13 @@ class G3Tier:
         for block in blocks:
             slot = block.slots[0]
             if slot in records and self.index.holds(block):
-                self._generations[slot] = records[slot].generation
+                generation = records[slot].generation
+                self._generations[slot] = generation
                 self.index.commit(block, self._score(block))
                 self.view[block.key] = FETCHABLE_G3
                 stored.add(block.key)
+                if self.journal is not None:
+                    self.journal.g3_committed(block.key, (slot, generation))
             elif self.index.holds(block):
                 self.index.remove(block)
         return stored
@@ -134,6 +139,37 @@ class G3Tier:
         self.view.pop(block.key, None)
         self._generations.pop(block.slots[0], None)
         self.index.remove(block)
+        if self.journal is not None:
+            self.journal.g3_removed(block.key)
+
+    def restore(self, records: dict[BlockKey, Any]) -> list[BlockKey]:
+        """Take back the G3 blocks an earlier holder journaled (``records``: key ->
+        residency with values (slot, generation)), keeping only those whose slot is in range,
+        not named twice, and still vouched for by its file and record. Returns them."""
+        capacity = self.index.pools[0].capacity
+        candidates: dict[int, tuple[BlockKey, int]] = {}
+        for key, residency in records.items():
+            values = residency.values
+            if len(values) == 2 and 0 <= values[0] < capacity and values[0] not in candidates:
+                candidates[values[0]] = (key, values[1])
+        sound = self.files.check_many(candidates) if candidates else set()
+        entries = [(candidates[s][0], (s,)) for s in sorted(sound)]
+        self.index.restore(entries)
+        for slot in sound:
+            key, generation = candidates[slot]
+            self._generations[slot] = generation
+            self.view[key] = FETCHABLE_G3
+            self._next_generation = max(self._next_generation, generation + 1)
+            block = self.index.get(key)
+            assert block is not None
+            self.index.rescore(block, self._score(block))
+        kept = {candidates[s][0] for s in sound}
+        dropped = [k for k in records if k not in kept]
+        if self.journal is not None:
+            for key in dropped:
+                self.journal.g3_removed(key)
+        self.log.info("g3_recovered", blocks=len(kept), dropped=len(dropped))
+        return sorted(kept)
 
     # -- read --------------------------------------------------------------------------------
 

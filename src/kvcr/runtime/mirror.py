@@ -38,7 +38,7 @@ class Mirror(journal.Writer):
     ) -> None:
         self._source = buf
         self._index = index
-        self._kept = kept  # G3 records, handed on untouched until the file tier takes them
+        self._kept = kept  # the G3 residencies: as recovered, then as the file tier changes them
         self.group = group
         self.log = log
         self._warned = 0
@@ -50,6 +50,19 @@ class Mirror(journal.Writer):
         super().__init__(buf, self._live)
         if self.disabled:
             self._disabled()
+
+    @property
+    def g3_records(self) -> dict[BlockKey, journal.Residency]:
+        return self._kept
+
+    def g3_committed(self, key: BlockKey, values: tuple[int, ...]) -> None:
+        """A block committed in G3 (``values``: slot, generation)."""
+        self._kept[key] = journal.Residency(journal.PUT_G3, values)
+        self.put(key, values, journal.PUT_G3)
+
+    def g3_removed(self, key: BlockKey) -> None:
+        if self._kept.pop(key, None) is not None:
+            self.remove(key, journal.REMOVE_G3)
 
     def _live(self) -> Iterator[journal.Entry]:
         ready = BlockState.READY
@@ -119,12 +132,9 @@ def recover(
     capacities = [pool.capacity for pool in index.pools]
     taken: list[set[int]] = [set() for _ in capacities]
     records: list[tuple[BlockKey, tuple[int, ...]]] = []
-    kept: dict[BlockKey, journal.Residency] = {}
+    kept: dict[BlockKey, journal.Residency] = dict(replay.g3)  # checked by the G3 tier
     skipped = 0
     for key, residency in replay.state.items():
-        if residency.tier == journal.PUT_G3:
-            kept[key] = residency
-            continue
         slots = residency.values
         if (
             residency.tier != journal.PUT_G2

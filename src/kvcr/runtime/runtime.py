@@ -235,9 +235,14 @@ class Runtime:
             on_removed=local.g3_removed,
             log=self.log,
             telemetry=self.telemetry,
+            journal=self.mirror,
         )
         self.g3.view = self.g3_view
         local.g3, local.spawn = self.g3, root.start_soon
+        if self.mirror is not None:
+            restored = self.g3.restore(dict(self.mirror.g3_records))
+            if restored:
+                self.callbacks.inventory(InventoryEvent(tuple(restored), CacheTier.G3, False))
 
     def _g3_gauges(self) -> dict[str, float]:
         assert self.g3 is not None
