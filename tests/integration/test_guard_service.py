@@ -544,3 +544,47 @@ def test_a_silent_claimant_is_dropped_and_does_not_block_others(guard) -> None:
 def test_an_unreachable_service_is_a_socket_error(tmp_path) -> None:
     with pytest.raises(KVCRSocketError, match="cannot connect"):
         KVCRClient(str(tmp_path / "none.sock")).claim(0, LAYOUT, "d", LOCAL)
+
+
+FOREIGN = """
+import os, sys
+from kvcr import KVCRClient
+from kvcr.errors import KVCRServiceError
+os.setgid(65534)  # after the imports: the interpreter's files need not be readable by nobody
+os.setuid(65534)
+try:
+    KVCRClient(sys.argv[1]).claim(0, [("", 4096)], sys.argv[2], ("127.0.0.1", 0))
+    print("granted")
+except KVCRServiceError as exc:
+    print(exc)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a claimant as another uid")
+def test_a_claimant_with_another_uid_is_refused() -> None:
+    import shutil
+    import tempfile
+
+    directory = Path(tempfile.mkdtemp(prefix="kvcr-uid-"))
+    directory.chmod(0o711)  # others may reach the socket's path, not list the directory
+    service = GuardProcess(directory)
+
+    def claim_as_nobody() -> str:
+        out = subprocess.run(
+            [sys.executable, "-c", FOREIGN, service.socket_path, service.digest],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        return out.stdout + out.stderr
+
+    try:
+        # The socket is owner-only: another uid cannot even connect.
+        assert "Permission denied" in claim_as_nobody()
+        # And were the socket opened up, the service itself refuses other uids.
+        os.chmod(service.socket_path, 0o666)
+        assert "uid 65534 may not claim here" in claim_as_nobody()
+        assert service.states()[0] == ("idle", None)
+    finally:
+        assert service.stop() == 0
+        shutil.rmtree(directory, ignore_errors=True)
