@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvcr.g3.files import (
     PAGE,
@@ -136,3 +138,21 @@ def test_reopening_keeps_records_of_the_same_layout_and_resets_another(tmp_path)
         assert not other.check(4, b"key", 9) and other.read_record(4) is None
     finally:
         other.close()
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(garbage=st.binary(min_size=64, max_size=64 * 9), offset=st.integers(0, 64 * 8))
+def test_garbage_in_the_record_area_never_vouches_for_a_slot(
+    tmp_path_factory, garbage, offset
+) -> None:
+    directory = tmp_path_factory.mktemp("g3fuzz")
+    g3 = G3Files((directory / "g3.bin",), 8 * BLOCK, BLOCK)
+    try:
+        g3.write_record(3, Record(5, key_digest(b"real")))
+        os.pwrite(g3.files[0].fd, garbage, 64 + offset)  # over records, maybe slot 3's
+        assert g3.check_many({s: (b"other", 5) for s in range(8)}) == set()
+        assert not any(g3.check(s, b"real", g) for s in range(8) for g in (0, 4, 6))
+        record = g3.read_record(3)
+        assert record is None or record == Record(5, key_digest(b"real"))
+    finally:
+        g3.close()
