@@ -121,10 +121,6 @@ class G3Files:
         f = self.files[slot % len(self.files)]
         return f, self.area + (slot // len(self.files)) * self.block
 
-    def record_offset(self, slot: int) -> tuple[G3File, int]:
-        f = self.files[slot % len(self.files)]
-        return f, RECORD_SIZE * (1 + slot // len(self.files))
-
     # -- files -------------------------------------------------------------------------------
 
     def _open(self, path: Path, index: int, nfiles: int) -> G3File:
@@ -201,16 +197,13 @@ class G3Files:
     # -- records -----------------------------------------------------------------------------
 
     def write_record(self, slot: int, record: Record) -> None:
-        f, offset = self.record_offset(slot)
-        os.pwrite(f.fd, encode_record(record), offset)
+        self.write_records({slot: record})
 
     def clear_record(self, slot: int) -> None:
-        f, offset = self.record_offset(slot)
-        os.pwrite(f.fd, bytes(RECORD_SIZE), offset)
+        self.write_records({slot: None})
 
     def read_record(self, slot: int) -> Record | None:
-        f, offset = self.record_offset(slot)
-        return decode_record(os.pread(f.fd, RECORD_SIZE, offset))
+        return self.read_records([slot])[slot]
 
     def _runs(self, slots: list[int]) -> list[tuple[G3File, int, list[int]]]:
         """``slots`` grouped into runs of consecutive records in one file: (file, offset of
@@ -265,15 +258,7 @@ class G3Files:
 
     def check(self, slot: int, key: bytes, generation: int) -> bool:
         """True if ``slot`` still holds ``key`` as stored in ``generation``, in a sound file."""
-        f, _ = self.place(slot)
-        if not self.file_ok(f):
-            return False
-        record = self.read_record(slot)
-        return (
-            record is not None
-            and record.generation == generation
-            and record.digest == key_digest(key)
-        )
+        return slot in self.check_many({slot: (key, generation)})
 
     def close(self) -> None:
         files, self.files = self.files, []

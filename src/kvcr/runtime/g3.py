@@ -173,21 +173,6 @@ class G3Tier:
 
     # -- read --------------------------------------------------------------------------------
 
-    def verified(self, key: BlockKey) -> Block | None:
-        """The READY block of ``key`` if its file and record still vouch for it; a block
-        they no longer vouch for is forgotten (and reported removed)."""
-        block = self.index.get(key)
-        if block is None or block.state is not BlockState.READY:
-            return None
-        slot = block.slots[0]
-        if self.files.check(slot, key, self._generations.get(slot, -1)):
-            return block
-        self.log.warning("g3_record_invalid", slot=slot, reason="file or record changed")
-        if block.claims == 0:
-            self._forget(block)
-            self._on_removed([key])
-        return None
-
     async def read(
         self, items: Sequence[tuple[BlockKey, int]], what: str, scope: str = SCOPE_G3_FILL
     ) -> set[BlockKey]:
@@ -200,8 +185,9 @@ class G3Tier:
         return got
 
     def verified_many(self, keys: Sequence[BlockKey]) -> dict[BlockKey, Block]:
-        """:meth:`verified` for many keys, with one file check per file and one record read
-        per run of slots."""
+        """The READY blocks of ``keys`` that their files and records still vouch for (one
+        file check per file, one record read per run of slots); blocks they no longer vouch
+        for are forgotten and reported removed."""
         blocks = {}
         for key in keys:
             block = self.index.get(key)

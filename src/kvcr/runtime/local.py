@@ -584,26 +584,40 @@ class LocalG2:
         finally:
             for block in blocks:
                 op.filling.pop(block.key, None)
+        for block in blocks:
+            if not self.index.holds(block):  # withdrawn meanwhile; the read is over
+                self.index.release_slots(block)
+                fill_over(block)
+        answers.update(self.commit_fetched(op, blocks, got, CacheTier.G3))
+        if sum(1 for a in answers.values() if a.success) < len(live):
+            op.failure = op.failure or "fetch: some G3 blocks could not be read back"
+        self.outbox.answer(op, answers)  # bytes are counted under g3_fill
+
+    def commit_fetched(
+        self, op: Operation, blocks: list[Block], arrived: set[BlockKey], source: CacheTier
+    ) -> dict[BlockKey, OpEntryResult]:
+        """End a fetch's fill of ``blocks`` (those still in the index; the caller handles the
+        withdrawn ones): the keys that ``arrived`` are committed and claimed, the others
+        dropped; journal and inventory follow before the engine hears of them."""
+        answers: dict[BlockKey, OpEntryResult] = {}
         added: list[BlockKey] = []
         for block in blocks:
             if not self.index.holds(block):
-                self.index.release_slots(block)  # withdrawn meanwhile; the read is over
-            elif block.key in got and op.live(block.key):
+                continue
+            if block.key in arrived and op.live(block.key):
                 self.index.commit(block, self.score(block))
-                self.ingested(block, CacheTier.G3)
+                self.ingested(block, source)
                 answers[block.key] = self.claimed_entry(block)
                 added.append(block.key)
             else:
-                self.index.remove(block)
+                self.index.remove(block)  # the fill is over: nothing writes these slots
                 if op.live(block.key):
                     answers[block.key] = FAILED
             fill_over(block)
         self.index.flush_journal()
-        if added:  # bytes are counted under g3_fill
+        if added:
             self.callbacks.inventory(InventoryEvent(tuple(added), CacheTier.LOCAL_G2, False))
-        if len(added) < len(live):
-            op.failure = op.failure or "fetch: some G3 blocks could not be read back"
-        self.outbox.answer(op, answers)
+        return answers
 
     def claimed_entry(self, block: Block) -> OpEntryResult:
         """A fetch's success: where the block is, and the claim that keeps it there."""

@@ -25,7 +25,6 @@ from kvcr.types import (
     BlockKey,
     BlockMeta,
     CacheTier,
-    InventoryEvent,
     OpEntryResult,
     PlacementAction,
 )
@@ -159,25 +158,12 @@ class Remote:
                     if self.index.holds(block):
                         self.index.remove(block)
                         fill_over(block)
-        written = {keys[i] for i in pull.written} if pull is not None else set()
-        answers = {}
-        added: list[BlockKey] = []
         for block in blocks:
             op.filling.pop(block.key, None)
-            if pull is None or not self.index.holds(block):
-                continue  # withdrawn: free_withdrawn frees it once the source is over
-            if block.key in written and op.live(block.key):
-                self.index.commit(block, local.score(block))
-                local.ingested(block, CacheTier.REMOTE_G2)
-                answers[block.key] = local.claimed_entry(block)
-                added.append(block.key)
-            else:
-                self.index.remove(block)  # the pull is over: nothing writes these slots
-                if op.live(block.key):
-                    answers[block.key] = FAILED
-            fill_over(block)
-        self.index.flush_journal()  # committed before the engine hears of it
-        op.moved_remote += len(added)
-        if added:
-            local.callbacks.inventory(InventoryEvent(tuple(added), CacheTier.LOCAL_G2, False))
+        if pull is None:
+            return  # never asked for: the blocks were removed above
+        # Withdrawn blocks are left to free_withdrawn, which frees them once the source is over.
+        written = {keys[i] for i in pull.written}
+        answers = local.commit_fetched(op, blocks, written, CacheTier.REMOTE_G2)
+        op.moved_remote += sum(1 for a in answers.values() if a.success)
         self.outbox.answer(op, answers)
