@@ -17,18 +17,25 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 import argparse
 import json
+import shutil
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 import zlib
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
 import numpy as np
 
-from kvcr import KVCR, KVCRBindings
+from kvcr import KVCR, KVCRBindings, KVCRClient
 from kvcr.config import KVCRBackendConfigs, KVCRConfig, LocalDramOptions
+from kvcr.errors import KVCRSocketError
 from kvcr.telemetry import InMemoryStats
 from kvcr.types import RegionDescriptor
 
@@ -348,3 +355,63 @@ def make_instance(
 def runtime_thread(agent: str) -> threading.Thread:
     """The runtime thread of the kvcr instance named ``agent``."""
     return next(t for t in threading.enumerate() if t.name == f"kvcr-{agent}")
+
+
+# -- processes ---------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class GuardService:
+    """``kvcr-guard`` in a child process, in a fresh directory in /dev/shm (removed at
+    ``stop``), its log in ``service.log``; ``start_s`` is exec until ``status`` answers,
+    ``port`` a free port for group endpoints."""
+
+    def __init__(self, sizes_gb: str, digest: str, groups: int = 1, prefix: str = "kvcr-") -> None:
+        self.dir = Path(tempfile.mkdtemp(dir="/dev/shm", prefix=prefix))
+        self.socket_path = str(self.dir / "g.sock")
+        (self.dir / "pools").mkdir()
+        started = time.perf_counter()
+        with open(self.dir / "service.log", "wb") as log:
+            self.proc = subprocess.Popen(
+                [
+                    *(sys.executable, "-m", "kvcr.kvcr_service", "--socket-path", self.socket_path),
+                    *("--pool-dir", str(self.dir / "pools"), "--guard-count", str(groups)),
+                    *("--pool-sizes-gb", sizes_gb, "--compatibility-digest", digest),
+                    *("--log-level", "INFO"),
+                ],
+                stderr=log,
+            )
+        self.client = KVCRClient(self.socket_path)
+        self.port = free_port()
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                self.client.status()
+                break
+            except KVCRSocketError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("kvcr-guard did not start") from None
+                time.sleep(0.002)
+        self.start_s = time.perf_counter() - started
+
+    def log_seconds(self, event: str) -> list[float]:
+        """The ``seconds=`` of every ``event`` line the service logged so far."""
+        text = (self.dir / "service.log").read_text()
+        return [
+            float(line.split("seconds=")[1].split()[0])
+            for line in text.splitlines()
+            if f" {event} " in line and "seconds=" in line
+        ]
+
+    def state(self, group: int) -> str:
+        return self.client.status()[group].state
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(60)
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -25,9 +25,6 @@ from __future__ import annotations
 import mmap
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,9 +32,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import common
-from common import Row, arguments, log, null_bindings, percentile, report
+from common import GuardService, Row, arguments, free_port, log, null_bindings, percentile, report
 
-from kvcr import KVCR, KVCRClient
+from kvcr import KVCR
 from kvcr.config import KVCRBackendConfigs, KVCRConfig, KVCRGuardConfig, LocalDramOptions
 from kvcr.control_channels import ZmqPeerControlChannel
 from kvcr.guard.pools import GIB, create_group_file, plan_group
@@ -88,44 +85,12 @@ def bench_create(rows: list[Row], directory: Path, where: str, gib: float, reps:
     )
 
 
-class Service:
-    def __init__(self, directory: Path, sizes_gb: str, groups: int = 1) -> None:
-        self.socket_path = str(directory / "g.sock")
-        (directory / "pools").mkdir(exist_ok=True)
-        started = time.perf_counter()
-        self.proc = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "kvcr.kvcr_service", "--socket-path", self.socket_path),
-                *("--pool-dir", str(directory / "pools"), "--guard-count", str(groups)),
-                *("--pool-sizes-gb", sizes_gb, "--compatibility-digest", DIGEST),
-                *("--log-level", "WARNING"),
-            ],
-        )
-        self.client = KVCRClient(self.socket_path)
-        while True:
-            try:
-                self.client.status()
-                break
-            except OSError:
-                pass
-            except Exception:
-                if self.proc.poll() is not None:
-                    raise RuntimeError("the guard service did not start") from None
-                time.sleep(0.002)
-        self.start_s = time.perf_counter() - started
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(60)
-
-
 def bench_start(rows: list[Row], gib: float, reps: int) -> None:
     times = []
     for _ in range(reps):
-        with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
-            service = Service(Path(d), f"{gib:g}")
-            times.append(service.start_s)
-            service.stop()
+        service = GuardService(f"{gib:g}", DIGEST)
+        times.append(service.start_s)
+        service.stop()
     rows.append(
         Row(
             "start",
@@ -137,107 +102,99 @@ def bench_start(rows: list[Row], gib: float, reps: int) -> None:
 
 
 def bench_claim(rows: list[Row], reps: int) -> None:
-    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
-        service = Service(Path(d), "1")
-        try:
-            claim_s, release_s, status_s, mmap_s = [], [], [], []
-            path = next((Path(d) / "pools").iterdir())
-            for _ in range(reps):
-                hold = None
+    service = GuardService("1", DIGEST)
+    try:
+        claim_s, release_s, status_s, mmap_s = [], [], [], []
+        path = next((service.dir / "pools").iterdir())
+        for _ in range(reps):
+            hold = None
 
-                def claim() -> None:
-                    nonlocal hold
-                    hold = service.client.claim(0, [("", BLOCK)], DIGEST, ("127.0.0.1", 0))
+            def claim() -> None:
+                nonlocal hold
+                hold = service.client.claim(0, [("", BLOCK)], DIGEST, ("127.0.0.1", 0))
 
-                claim_s.append(timed(claim))
-                release_s.append(timed(hold.release))
-                status_s.append(timed(service.client.status))
+            claim_s.append(timed(claim))
+            release_s.append(timed(hold.release))
+            status_s.append(timed(service.client.status))
 
-                def raw_map() -> None:
-                    fd = os.open(path, os.O_RDWR)
-                    try:
-                        m = mmap.mmap(fd, os.fstat(fd).st_size)
-                    finally:
-                        os.close(fd)
-                    m.close()
+            def raw_map() -> None:
+                fd = os.open(path, os.O_RDWR)
+                try:
+                    m = mmap.mmap(fd, os.fstat(fd).st_size)
+                finally:
+                    os.close(fd)
+                m.close()
 
-                mmap_s.append(timed(raw_map))
-            base = [s + m for s, m in zip(status_s, mmap_s)]
-            for q, name in ((50, "median"), (99, "p99")):
-                rows.append(
-                    Row(
-                        "claim",
-                        f"claim and map, {name}",
-                        percentile(claim_s, q) * 1e6,
-                        "us",
-                        percentile(base, q) * 1e6,
-                    )
+            mmap_s.append(timed(raw_map))
+        base = [s + m for s, m in zip(status_s, mmap_s)]
+        for q, name in ((50, "median"), (99, "p99")):
+            rows.append(
+                Row(
+                    "claim",
+                    f"claim and map, {name}",
+                    percentile(claim_s, q) * 1e6,
+                    "us",
+                    percentile(base, q) * 1e6,
                 )
-                rows.append(
-                    Row(
-                        "claim",
-                        f"release (unmap + ack), {name}",
-                        percentile(release_s, q) * 1e6,
-                        "us",
-                        percentile(status_s, q) * 1e6,
-                    )
+            )
+            rows.append(
+                Row(
+                    "claim",
+                    f"release (unmap + ack), {name}",
+                    percentile(release_s, q) * 1e6,
+                    "us",
+                    percentile(status_s, q) * 1e6,
                 )
-        finally:
-            service.stop()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+            )
+    finally:
+        service.stop()
 
 
 def bench_kvcr(rows: list[Row], reps: int) -> None:
     size = 256 << 20  # 4,096 blocks of 64 KiB
     config = KVCRConfig(nixl_agent_name=f"guard-bench-{os.getpid()}", pool_layouts=[("", BLOCK)])
-    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
-        service = Service(Path(d), "0.25")
-        private = common.touched(size)
-        try:
-            guarded_s, plain_s = [], []
-            group_port = free_port()  # the group's endpoint: every claim must name it
-            for _ in range(reps):
-                channel = ZmqPeerControlChannel("127.0.0.1", group_port, "127.0.0.1")
-                bindings = null_bindings(framework_control=channel)
+    service = GuardService("0.25", DIGEST)
+    private = common.touched(size)
+    try:
+        guarded_s, plain_s = [], []
+        group_port = service.port  # the group's endpoint: every claim must name it
+        for _ in range(reps):
+            channel = ZmqPeerControlChannel("127.0.0.1", group_port, "127.0.0.1")
+            bindings = null_bindings(framework_control=channel)
 
-                def guarded(bindings=bindings) -> None:
-                    KVCR(
-                        config,
-                        bindings,
-                        KVCRBackendConfigs(),
-                        KVCRGuardConfig(service.socket_path, 0, DIGEST),
-                    ).close()
+            def guarded(bindings=bindings) -> None:
+                KVCR(
+                    config,
+                    bindings,
+                    KVCRBackendConfigs(),
+                    KVCRGuardConfig(service.socket_path, 0, DIGEST),
+                ).close()
 
-                guarded_s.append(timed(guarded))
-                channel.close()
-                channel = ZmqPeerControlChannel("127.0.0.1", free_port(), "127.0.0.1")
-                local = LocalDramOptions(pools=[("", private.ctypes.data, size)])
+            guarded_s.append(timed(guarded))
+            channel.close()
+            channel = ZmqPeerControlChannel("127.0.0.1", free_port(), "127.0.0.1")
+            local = LocalDramOptions(pools=[("", private.ctypes.data, size)])
 
-                def plain(channel=channel, local=local) -> None:
-                    KVCR(
-                        config,
-                        null_bindings(framework_control=channel),
-                        KVCRBackendConfigs(local_dram=local),
-                    ).close()
+            def plain(channel=channel, local=local) -> None:
+                KVCR(
+                    config,
+                    null_bindings(framework_control=channel),
+                    KVCRBackendConfigs(local_dram=local),
+                ).close()
 
-                plain_s.append(timed(plain))
-                channel.close()
-            rows.append(
-                Row(
-                    "kvcr",
-                    "construct + close over a 256 MiB guard group, median",
-                    percentile(guarded_s, 50) * 1e3,
-                    "ms",
-                    percentile(plain_s, 50) * 1e3,
-                )
+            plain_s.append(timed(plain))
+            channel.close()
+        rows.append(
+            Row(
+                "kvcr",
+                "construct + close over a 256 MiB guard group, median",
+                percentile(guarded_s, 50) * 1e3,
+                "ms",
+                percentile(plain_s, 50) * 1e3,
             )
-        finally:
-            service.stop()
+        )
+    finally:
+        service.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

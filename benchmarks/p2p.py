@@ -63,6 +63,7 @@ from common import (
     arguments,
     bare_agent,
     crcs,
+    free_port,
     idle_row,
     log,
     make_instance,
@@ -98,12 +99,6 @@ ENGINE_POLL_NOTE = (
     "done; raw = B's request over the socketpair, A's bare-agent prepped WRITE + notification "
     "(A polls check_xfer_state), until B sees the notification"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 # -- the source process -------------------------------------------------------------------

@@ -25,12 +25,8 @@ Rows:
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -39,72 +35,24 @@ import common
 from common import Row, arguments, log, null_bindings, percentile, report
 from local import Engine, all_success
 
-from kvcr import KVCR, KVCRClient
+from kvcr import KVCR
 from kvcr.config import KVCRBackendConfigs, KVCRConfig, KVCRGuardConfig
 from kvcr.control_channels import ZmqPeerControlChannel
-from kvcr.errors import KVCRSocketError
 from kvcr.types import RegionDescriptor
 
 KIB, MIB = common.KIB, common.MIB
 DIGEST = "recovery-bench"
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-class Service:
-    """A kvcr-guard with one group of one pool, in /dev/shm."""
-
-    def __init__(self, pool_bytes: int, groups: int = 1) -> None:
-        self.dir = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="kvcr-rec-"))
-        self.socket_path = str(self.dir / "g.sock")
-        (self.dir / "pools").mkdir()
-        self.proc = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "kvcr.kvcr_service", "--socket-path", self.socket_path),
-                *("--pool-dir", str(self.dir / "pools"), "--guard-count", str(groups)),
-                *("--pool-sizes-gb", f"{pool_bytes / 2**30!r}", "--compatibility-digest", DIGEST),
-                *("--log-level", "INFO"),
-            ],
-            stderr=open(self.dir / "service.log", "wb"),  # noqa: SIM115 - the child owns it
-        )
-        self.client = KVCRClient(self.socket_path)
-        self.port = free_port()
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                self.client.status()
-                return
-            except KVCRSocketError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("kvcr-guard did not start") from None
-                time.sleep(0.01)
-
-    def log_seconds(self, event: str) -> list[float]:
-        """The ``seconds=`` of every ``event`` line the service logged so far."""
-        text = (self.dir / "service.log").read_text()
-        return [
-            float(line.split("seconds=")[1].split()[0])
-            for line in text.splitlines()
-            if f" {event} " in line and "seconds=" in line
-        ]
-
-    def state(self, group: int) -> str:
-        return self.client.status()[group].state
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(60)
-        shutil.rmtree(self.dir, ignore_errors=True)
+def guard_service(pool_bytes: int, groups: int = 1) -> common.GuardService:
+    """A kvcr-guard with ``groups`` groups of one pool of ``pool_bytes``."""
+    return common.GuardService(f"{pool_bytes / 2**30!r}", DIGEST, groups, prefix="kvcr-rec-")
 
 
 class Instance:
     """A KVCR over group 0 of the service (guard_config: pools, endpoint and journal)."""
 
-    def __init__(self, service: Service, name: str, block: int, region: Any) -> None:
+    def __init__(self, service: common.GuardService, name: str, block: int, region: Any) -> None:
         self.channel = ZmqPeerControlChannel("127.0.0.1", service.port, "127.0.0.1")
         config = KVCRConfig(
             name, [("", block)], operation_timeout_ms=20_000, abandon_timeout_ms=40_000
@@ -140,7 +88,7 @@ def bench_deposit(
     journal stale: this group is thrown away afterwards, which no real worker could do."""
     region = common.randomized(block * nkeys, seed=nkeys)
     pool_bytes = block * nkeys * 4  # steady state: every deposit evicts after the first four
-    service = Service(pool_bytes)
+    service = guard_service(pool_bytes)
     times: dict[bool, list[float]] = {True: [], False: []}
     serial = iter(range(1 << 40))
     try:
@@ -188,7 +136,7 @@ def bench_deposit(
 def bench_warm_start(rows: list[Row], nblocks: int, reps: int, quiet: bool) -> None:
     block = 4 * KIB
     region = common.randomized(block * 1000, seed=1)
-    service = Service(block * max(nblocks, 1000) * 2)
+    service = guard_service(block * max(nblocks, 1000) * 2)
     try:
         log(f"warm start: {nblocks} blocks", quiet)
         empty: list[float] = []
@@ -237,7 +185,7 @@ HOLDER = Path(__file__).resolve().parent / "recovery_holder.py"
 
 
 def bench_takeover(rows: list[Row], nblocks: int, reps: int, quiet: bool) -> None:
-    service = Service(4 * KIB * 20000, groups=2)
+    service = guard_service(4 * KIB * 20000, groups=2)
     kill_to_serving: list[float] = []
     claim_served: list[float] = []
     claim_idle: list[float] = []
