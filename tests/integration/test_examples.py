@@ -13,27 +13,25 @@ pytestmark = pytest.mark.integration
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def test_quickstart_runs_and_verifies_its_bytes() -> None:
+def run_example(name: str) -> str:
+    """Run ``examples/<name>`` as a user would; its stdout, once it exited cleanly."""
     done = subprocess.run(
-        [sys.executable, str(EXAMPLES / "quickstart.py")],
+        [sys.executable, str(EXAMPLES / name)],
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "delivered bytes match the deposited blocks" in done.stdout
+    return done.stdout
+
+
+def test_quickstart_runs_and_verifies_its_bytes() -> None:
+    assert "delivered bytes match the deposited blocks" in run_example("quickstart.py")
 
 
 def test_guard_quickstart_runs_over_the_guards_pools_and_gives_them_back() -> None:
-    done = subprocess.run(
-        [sys.executable, str(EXAMPLES / "guard_quickstart.py")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "deposited into the guard's pool: True" in done.stdout
-    tables = done.stdout.split("group  state")
+    out = run_example("guard_quickstart.py")
+    assert "deposited into the guard's pool: True" in out
+    tables = out.split("group  state")
     assert "0      held" in tables[1] and "0      idle" in tables[2]

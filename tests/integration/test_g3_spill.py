@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from damage import damage as damage_file
 from engine_sim import EngineSim, Recorder
 from kvcr import KVCR
 from kvcr.config import G3Options
@@ -172,15 +173,7 @@ def test_a_damaged_g3_file_never_yields_wrong_bytes(inst, damage) -> None:
     inst.deposit([0, 1, 2, 3])
     inst.deposit([4, 5, 6, 7])
     path = inst.g3.paths[0]
-    if damage == "delete":
-        path.unlink()
-    elif damage == "truncate":
-        import os
-
-        os.truncate(path, 4096)
-    else:
-        with open(path, "r+b") as f:
-            f.write(bytes(path.stat().st_size))
+    damage_file(path, damage)
 
     result = inst.deliver([(i, 20 + i) for i in range(4)])
 
@@ -267,9 +260,7 @@ def test_the_next_holder_of_a_group_keeps_its_valid_g3_blocks(tmp_path, guard, d
     finally:
         kv.close()
     if damaged:
-        path = tmp_path / "d0" / "g3.bin"
-        with open(path, "r+b") as f:
-            f.write(bytes(path.stat().st_size))
+        damage_file(tmp_path / "d0" / "g3.bin", "zero")
 
     heir, engine2, recorder = guarded(tmp_path, guard, "heir")
     try:

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import trio
 
+from damage import KINDS
+from damage import damage as damage_file
 from kvcr.g3.files import G3Files
 from kvcr.logs import get_logger
 from kvcr.runtime.g3 import FETCHABLE_G3, G3Tier
@@ -101,21 +103,11 @@ async def test_full_files_evict_the_lowest_scored_blocks(world) -> None:
     assert k(0) not in world.tier and k(2) in world.tier
 
 
-@pytest.mark.parametrize("damage", ["delete", "truncate", "replace", "zero"])
+@pytest.mark.parametrize("damage", KINDS)
 async def test_a_damaged_file_turns_its_keys_into_misses(world, damage) -> None:
     await world.tier.store([(k(i), i) for i in range(4)], "spill")
     path = world.files.files[0].path  # holds the even slots: keys 0 and 2
-    if damage == "delete":
-        path.unlink()
-    elif damage == "truncate":
-        os.truncate(path, 4096)
-    elif damage == "replace":
-        tmp = path.with_suffix(".new")
-        tmp.write_bytes(path.read_bytes())
-        tmp.replace(path)
-    else:
-        with open(path, "r+b") as f:
-            f.write(bytes(world.files.files[0].size))
+    damage_file(path, damage)
 
     got = await world.tier.read([(k(i), HOST + i) for i in range(4)], "fill")
 
