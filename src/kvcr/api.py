@@ -156,9 +156,9 @@ class KVCR:
         whose recovery journal is ``journal``: it starts warm from it and mirrors into it.
         The guard service serves a dead worker's group this way."""
         self = cls.__new__(cls)
-        self._hold = None
-        self._group_journal = (journal, group)
-        self._setup(config, bindings, backend_configs, None, self._nixl_factory)
+        self._setup(
+            config, bindings, backend_configs, None, self._nixl_factory, journal=(journal, group)
+        )
         self._start_thread()
         return self
 
@@ -171,10 +171,13 @@ class KVCR:
         backend_configs: KVCRBackendConfigs,
         guard_config: KVCRGuardConfig | None,
         transport_factory: Callable[[], Transport],
+        journal: tuple[memoryview, int] | None = None,
     ) -> None:
         self._closed = True  # until the runtime runs
         self._hold = None
-        journal, group = getattr(self, "_group_journal", (None, None))
+        # A group's journal comes with a guard claim, or (the guard serving a dead worker's
+        # group) with ``journal``.
+        journal_view, group = journal if journal is not None else (None, None)
         validate_setup(config, backend_configs, guard_config)
         if not isinstance(bindings, KVCRBindings):
             raise ValueError(
@@ -233,7 +236,7 @@ class KVCR:
             remote_options=backend_configs.remote_fw_dram,
             op_ids=lambda: next(self._op_ids),
             log=self._log,
-            journal=self._hold.journal_buffer() if self._hold is not None else journal,
+            journal=self._hold.journal_buffer() if self._hold is not None else journal_view,
             group=self._hold.guard_index if self._hold is not None else group,
             g3_options=backend_configs.g3,
         )

@@ -277,7 +277,8 @@ class LocalG2:
                 )
                 action, _ = self._policy("decide_recovery", _DROP, self.meta(block), failure)
                 if action is PlacementAction.KEEP:
-                    self.unclaim_requeue(block)
+                    if block.claims == 0:
+                        self.index.rescore(block, self.score(block))  # back in the queue
                     continue
             if block.claims:  # read meanwhile: it stays in G2 too, until evicted again
                 continue
@@ -289,10 +290,6 @@ class LocalG2:
             self.callbacks.inventory(InventoryEvent(tuple(removed), CacheTier.LOCAL_G2, True))
         self._spilled.set()
         self._spilled = trio.Event()
-
-    def unclaim_requeue(self, block: Block) -> None:
-        if block.claims == 0 and self.index.holds(block):
-            self.index.rescore(block, self.score(block))
 
     # -- waiting for fills in progress ---------------------------------------------------------
 
