@@ -515,33 +515,48 @@ class GuardService:
             await self._refuse(conn, log, Refusal("bad_request", f"{what}: {exc}"), [])
             return
         try:
-            refusal = self.groups.check_claim(request, cred.pid)
-            if refusal is None:
+            if 0 <= request.guard_index < len(self.guards):
                 guard = self.guards[request.guard_index]
-                async with guard.lock:  # binding the listener awaits: one claim at a time
-                    refusal = self.groups.check_claim(request, cred.pid) or _usable(guard)
-                    handed_back = False
-                    if refusal is None and self.groups[guard.index].state == "serving":
-                        await guard.hand_back()
-                        refusal = _usable(guard)
-                        handed_back = True
-                    if refusal is None:
-                        try:
-                            refusal = await self._lend(conn, log, guard, request, pidfd)
-                        finally:
-                            if self.groups[guard.index].state == "handing_back":
-                                self.groups.move(guard.index, "stop")
-                        if refusal is None:
-                            pidfd = -1  # the Guard owns it now
-                    if handed_back:
-                        # The stopped server's objects (its NIXL agent and the connections
-                        # it holds) form reference cycles: free them now, after the grant.
-                        gc.collect()
+                refusal = await self._claim_group(conn, log, guard, request, cred, pidfd)
+                if refusal is None:
+                    pidfd = -1  # the Guard owns it now
+            else:
+                refusal = self.groups.check_claim(request, cred.pid)  # names the indices
             if refusal is not None:
                 await self._refuse(conn, log, refusal, [])
         finally:
             if pidfd >= 0:
                 close_quietly(pidfd)
+
+    async def _claim_group(
+        self,
+        conn: Any,
+        log: Any,
+        guard: Guard,
+        request: wire.ClaimRequest,
+        cred: PeerCred,
+        pidfd: int,
+    ) -> Refusal | None:
+        """Check and lend ``guard``'s group, handing it back first if the Guard serves it.
+        One claim of a group at a time: binding its listener and handing back await."""
+        async with guard.lock:
+            refusal = self.groups.check_claim(request, cred.pid) or _usable(guard)
+            if refusal is not None:
+                return refusal
+            handed_back = self.groups[guard.index].state == "serving"
+            try:
+                if handed_back:
+                    await guard.hand_back()
+                    if (refusal := _usable(guard)) is not None:
+                        return refusal
+                return await self._lend(conn, log, guard, request, pidfd)
+            finally:
+                if self.groups[guard.index].state == "handing_back":
+                    self.groups.move(guard.index, "stop")
+                if handed_back:
+                    # The stopped server's objects (its NIXL agent and the connections it
+                    # holds) form reference cycles: free them now, after the grant.
+                    gc.collect()
 
     async def _lend(
         self, conn: Any, log: Any, guard: Guard, request: wire.ClaimRequest, pidfd: int
