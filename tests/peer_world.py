@@ -154,10 +154,12 @@ class World:
 
     def sent(self, kind: str) -> list[Any]:
         from kvcr.transport import messages
+        from kvcr.transport.auth import MAGIC, SEALED_OVERHEAD
 
         out = []
         for _endpoint, raw in self.hub.sent:
-            message = messages.decode(raw)
+            body = raw[SEALED_OVERHEAD:] if raw[:4] == MAGIC else raw
+            message = messages.decode(body)
             if kind == message.TYPE:
                 out.append(message)
         return out

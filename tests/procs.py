@@ -64,6 +64,7 @@ class SourceWorker:
         sizes: tuple[int, int, int],
         port: int | None = None,
         guard: tuple[str, int, str] | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         ours, theirs = socket.socketpair()
         self.port = port or free_port()
@@ -73,6 +74,7 @@ class SourceWorker:
             + [str(x) for x in sizes]
             + extra,
             pass_fds=[theirs.fileno()],
+            env={**os.environ, **(env or {})},
         )
         _children.append(self.proc)
         theirs.close()

@@ -100,6 +100,7 @@ def main() -> None:
         "claims": lambda k: kv._runtime.index.get(key(k)).claims,
         "query": lambda ks: [status.name for status, _ in kv.query([key(k) for k in ks])],
         "get_stats": lambda: None,
+        "dropped": lambda: dict(kv._runtime.peers.dropped),
     }
     try:
         while True:

@@ -39,6 +39,7 @@ from kvcr.policy import G3LRUPolicy, KVCachePolicy, LRUPolicy
 from kvcr.runtime.memory import MemoryMap
 from kvcr.runtime.runtime import Callbacks, Runtime
 from kvcr.telemetry import Telemetry
+from kvcr.transport.auth import cluster_key_from_env
 from kvcr.transport.base import Transport
 from kvcr.types import (
     BlockKey,
@@ -179,6 +180,7 @@ class KVCR:
         # group) with ``journal``.
         journal_view, group = journal if journal is not None else (None, None)
         validate_setup(config, backend_configs, guard_config)
+        cluster_key = cluster_key_from_env()
         if not isinstance(bindings, KVCRBindings):
             raise ValueError(
                 f"KVCR: bindings must be a KVCRBindings, got {type(bindings).__name__}"
@@ -239,6 +241,7 @@ class KVCR:
             journal=self._hold.journal_buffer() if self._hold is not None else journal_view,
             group=self._hold.guard_index if self._hold is not None else group,
             g3_options=backend_configs.g3,
+            cluster_key=cluster_key,
         )
         self._view = self._runtime.index.view
         self._g3_view = self._runtime.g3_view

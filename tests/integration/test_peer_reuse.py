@@ -22,6 +22,7 @@ from engine_sim import EngineSim, Recorder, router_hint
 from kvcr import KVCR
 from kvcr.config import KVCRBackendConfigs, RemoteFWDramOptions
 from kvcr.control_channels import ZmqPeerControlChannel
+from kvcr.transport.auth import KEY_ENV
 from kvcr.types import CacheTier, QueryStatus
 from peer_world import EnginePins, IntKeys, key
 from procs import free_port
@@ -35,8 +36,8 @@ HIT = (QueryStatus.HIT, CacheTier.LOCAL_G2)
 
 
 class SourceWorker(procs.SourceWorker):
-    def __init__(self, name: str, port: int | None = None) -> None:
-        super().__init__(name, SIZES, port)
+    def __init__(self, name: str, port: int | None = None, env: dict | None = None) -> None:
+        super().__init__(name, SIZES, port, env=env)
 
 
 class Destination:
@@ -223,3 +224,49 @@ def test_no_stray_processes() -> None:
         ["pgrep", "-f", str(procs.WORKER)], check=False, capture_output=True, text=True
     )
     assert out.stdout.strip() == ""
+
+
+# -- with a cluster key ------------------------------------------------------------------------
+
+CLUSTER_KEY = "cluster-key-for-tests-0123456789"
+
+
+def test_workers_sharing_a_cluster_key_pull_over_real_nixl(monkeypatch) -> None:
+    source = SourceWorker("keyed", env={KEY_ENV: CLUSTER_KEY})
+    monkeypatch.setenv(KEY_ENV, CLUSTER_KEY)
+    destination = Destination()
+    try:
+        sums = source("deposit", [(k, k, 500 + k) for k in range(4)])
+        destination.hint(source, list(range(4)), "req-k")
+        assert set(destination.deliver([(k, 10 + k) for k in range(4)], "req-k").values()) == {
+            "SUCCESS"
+        }
+        for k in range(4):
+            assert destination.engine.checksum(10 + k) == sums[k][1]
+        assert source("dropped") == {}
+    finally:
+        destination.close()
+        source.stop()
+
+
+@pytest.mark.parametrize(
+    "dest_key", ["another-cluster-key-9876543210", None], ids=["wrong", "none"]
+)
+def test_a_peer_without_the_cluster_key_gets_nothing(monkeypatch, dest_key) -> None:
+    source = SourceWorker("guarded", env={KEY_ENV: CLUSTER_KEY})
+    if dest_key is None:
+        monkeypatch.delenv(KEY_ENV, raising=False)
+    else:
+        monkeypatch.setenv(KEY_ENV, dest_key)
+    destination = Destination(operation_timeout_ms=500, abandon_timeout_ms=1000)
+    try:
+        source("deposit", [(0, 0, 9)])
+        before = destination.engine.checksum(10)
+        destination.hint(source, [0], "req-x")
+        assert destination.deliver([(0, 10)], "req-x") == {key(0): "FAILED"}
+        assert destination.engine.checksum(10) == before  # not a byte written
+        assert source("dropped")["unauthenticated"] >= 1
+        assert source("claims", 0) == 0
+    finally:
+        destination.close()
+        source.stop()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +42,7 @@ from kvcr.runtime.source import Source
 from kvcr.runtime.timer import sleeper
 from kvcr.runtime.transfers import Transfers
 from kvcr.transport import messages as m
+from kvcr.transport.auth import PeerAuth, Rejected
 from kvcr.transport.base import TransportError
 from kvcr.types import (
     BlockKey,
@@ -104,6 +106,7 @@ class Peers:
         telemetry: Any,
         op_ids: Callable[[], int],
         log: Any,
+        cluster_key: bytes | None = None,
     ) -> None:
         self.channel = channel
         self.fine = bool(getattr(transport, "fine_timing", False))
@@ -121,12 +124,13 @@ class Peers:
         self.op_ids = op_ids
         self.log = log
         self.incarnation = int.from_bytes(os.urandom(8), "big") or 1
+        self.auth = PeerAuth(cluster_key, self.incarnation)
         self.links: dict[str, Link] = {}
         self.source = Source(self)
         self._reqs = itertools.count(1)
         self.nursery: trio.Nursery | None = None
         self._busy = trio.Event()
-        self._dropped: set[str] = set()
+        self.dropped: Counter[str] = Counter()  # by kind: bad input seen from peers
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -156,7 +160,7 @@ class Peers:
 
     def send(self, endpoint: str, message: m.Message) -> None:
         try:
-            queued = self.channel.send(endpoint, m.encode(message))
+            queued = self.channel.send(endpoint, self.auth.seal(m.encode(message)))
         except Exception as exc:
             queued = False
             self.log.warning("control_send_failed", to=endpoint, error=repr(exc))
@@ -164,10 +168,28 @@ class Peers:
             self.log.info("control_not_queued", to=endpoint, type=message.TYPE)
 
     def drop(self, kind: str, detail: str) -> None:
-        """Bad input from a peer: one log event per kind, never a crash."""
-        if kind not in self._dropped:
-            self._dropped.add(kind)
+        """Bad input from a peer: counted, one log event per kind, never a crash."""
+        self.dropped[kind] += 1
+        self.telemetry.dropped(kind)
+        if self.dropped[kind] == 1:
             self.log.warning("peer_message_dropped", kind=kind, detail=detail[:200])
+
+    def open(self, raw: bytes, malformed: str) -> m.Message | None:
+        """Authenticate (with a cluster key) and parse one message, or drop it."""
+        try:
+            sealed_by, body = self.auth.open(raw)
+        except Rejected as exc:
+            self.drop(exc.reason, str(exc))
+            return None
+        try:
+            message = m.decode(body)
+        except m.MessageError as exc:
+            self.drop(malformed, str(exc))
+            return None
+        if sealed_by is not None and message.incarnation != sealed_by:
+            self.drop("unauthenticated", f"{message.TYPE}: sealed by another incarnation")
+            return None
+        return message
 
     async def _receive_loop(self) -> None:
         fileno = getattr(self.channel, "fileno", None)
@@ -229,10 +251,8 @@ class Peers:
             self.log.error("nixl_notifications_failed", error=repr(exc))
             return
         for sender, raw in notes:
-            try:
-                message = m.decode(raw)
-            except m.MessageError as exc:
-                self.drop("bad_notification", str(exc))
+            message = self.open(raw, "bad_notification")
+            if message is None:
                 continue
             if isinstance(message, m.Written):
                 self._on_written(sender, message)
@@ -240,10 +260,8 @@ class Peers:
                 self.drop("unexpected_notification", message.TYPE)
 
     def _on_raw(self, raw: bytes) -> None:
-        try:
-            message = m.decode(raw)
-        except m.MessageError as exc:
-            self.drop("bad_message", str(exc))
+        message = self.open(raw, "bad_message")
+        if message is None:
             return
         handler = {
             m.Hello: self.source.on_hello,

@@ -101,8 +101,10 @@ class Runtime:
         journal: memoryview | None = None,
         group: int | None = None,
         g3_options: Any = None,
+        cluster_key: bytes | None = None,
     ) -> None:
         self.bindings = bindings
+        self.cluster_key = cluster_key
         self.g3_options = g3_options
         self.g3: G3Tier | None = None
         self.g3_view: dict[BlockKey, Any] = {}  # published for query, like index.view
@@ -292,6 +294,7 @@ class Runtime:
             telemetry=self.telemetry,
             op_ids=self.op_ids,
             log=self.log,
+            cluster_key=self.cluster_key,
         )
         self.remote = Remote(
             peers=self.peers,

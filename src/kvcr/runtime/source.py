@@ -249,7 +249,7 @@ class Source:
     ) -> None:
         msg = job.msg
         what = f"source write req {msg.req} to {job.agent}"
-        notif = m.encode(m.Written(self.net.incarnation, msg.req, indices))
+        notif = self.net.auth.seal(m.encode(m.Written(self.net.incarnation, msg.req, indices)))
         nbytes = sum(n for _, n in dst)
 
         def terminal(xfer: Xfer) -> None:
