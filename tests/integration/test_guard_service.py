@@ -6,13 +6,17 @@ Claimants are this test process (through ``KVCRClient``) and child processes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -550,41 +554,76 @@ FOREIGN = """
 import os, sys
 from kvcr import KVCRClient
 from kvcr.errors import KVCRServiceError
-os.setgid(65534)  # after the imports: the interpreter's files need not be readable by nobody
-os.setuid(65534)
+uid, gid = (int(x) for x in sys.argv[3].split(":"))
+os.setgroups([])  # after the imports: the interpreter's files need not be readable by them
+os.setgid(gid)
+os.setuid(uid)
 try:
-    KVCRClient(sys.argv[1]).claim(0, [("", 4096)], sys.argv[2], ("127.0.0.1", 0))
+    KVCRClient(sys.argv[1]).claim(0, [("", 4096)], sys.argv[2], ("127.0.0.1", 0)).release()
     print("granted")
 except KVCRServiceError as exc:
     print(exc)
 """
+NOBODY = 65534
+ALLOWED_GID = 4242
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a claimant as another uid")
-def test_a_claimant_with_another_uid_is_refused() -> None:
-    import shutil
-    import tempfile
-
+@contextlib.contextmanager
+def reachable_guard(*extra: str) -> Iterator[tuple[GuardProcess, Callable[[int, int], str]]]:
+    """A guard whose socket path other users can reach, and a claim as (uid, gid)."""
     directory = Path(tempfile.mkdtemp(prefix="kvcr-uid-"))
     directory.chmod(0o711)  # others may reach the socket's path, not list the directory
-    service = GuardProcess(directory)
+    service = GuardProcess(directory, extra=("--idle-timeout-s", "0.5", *extra))
 
-    def claim_as_nobody() -> str:
+    def claim_as(uid: int, gid: int) -> str:
+        identity = f"{uid}:{gid}"
         out = subprocess.run(
-            [sys.executable, "-c", FOREIGN, service.socket_path, service.digest],
+            [sys.executable, "-c", FOREIGN, service.socket_path, service.digest, identity],
             capture_output=True,
             text=True,
             check=False,
+            timeout=60,
         )
         return out.stdout + out.stderr
 
     try:
+        yield service, claim_as
+        assert service.states()[0][0] == "idle"
+    finally:
+        assert service.stop() == 0, service.log()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0, reason="needs root to run a claimant as another user"
+)
+
+
+@needs_root
+def test_a_claimant_with_another_uid_is_refused() -> None:
+    with reachable_guard() as (service, claim_as):
+        assert stat.S_IMODE(os.stat(service.socket_path).st_mode) == 0o600
         # The socket is owner-only: another uid cannot even connect.
-        assert "Permission denied" in claim_as_nobody()
+        assert "Permission denied" in claim_as(NOBODY, NOBODY)
         # And were the socket opened up, the service itself refuses other uids.
         os.chmod(service.socket_path, 0o666)
-        assert "uid 65534 may not claim here" in claim_as_nobody()
-        assert service.states()[0] == ("idle", None)
-    finally:
-        assert service.stop() == 0
-        shutil.rmtree(directory, ignore_errors=True)
+        refused = claim_as(NOBODY, NOBODY)
+        assert "refused (permission_denied)" in refused
+        assert f"(uid {NOBODY}, gid {NOBODY}) is not uid 0" in refused
+
+
+@needs_root
+def test_members_of_an_allowed_group_may_claim_and_no_one_else() -> None:
+    with reachable_guard("--allow-gid", str(ALLOWED_GID)) as (service, claim_as):
+        st = os.stat(service.socket_path)
+        assert (stat.S_IMODE(st.st_mode), st.st_gid) == (0o660, ALLOWED_GID)
+        assert claim_as(NOBODY, ALLOWED_GID) == "granted\n"
+        assert "Permission denied" in claim_as(NOBODY, NOBODY)
+        os.chmod(service.socket_path, 0o666)
+        assert f"is not uid 0 or gid {ALLOWED_GID}" in claim_as(NOBODY, NOBODY)
+
+
+def test_an_unknown_allowed_group_is_a_flag_error(tmp_path) -> None:
+    service = GuardProcess(tmp_path, extra=("--allow-gid", "no-such-group-kvcr"), wait=False)
+    assert service.proc.wait(30) != 0
+    assert "--allow-gid no-such-group-kvcr: no such group" in service.log()

@@ -10,7 +10,15 @@ import sys
 import pytest
 
 from kvcr.guard import procs
-from kvcr.guard.procs import claimant_pidfd, has_exited, peer_cred, pidfd_pid
+from kvcr.guard.procs import (
+    PeerCred,
+    access_refusal,
+    claimant_pidfd,
+    has_exited,
+    peer_cred,
+    pidfd_pid,
+    supplementary_groups,
+)
 
 
 @pytest.fixture
@@ -105,3 +113,21 @@ def test_a_pidfd_of_another_process_is_refused(pair, monkeypatch) -> None:
     finally:
         child.stdin.close()
         child.wait(10)
+
+
+def test_the_services_uid_and_root_may_use_it_and_an_allowed_group_too() -> None:
+    me = os.getpid()
+    assert access_refusal(PeerCred(me, 1000, 1000), owner_uid=1000, allowed_gid=None) is None
+    assert access_refusal(PeerCred(me, 0, 0), owner_uid=1000, allowed_gid=None) is None
+    assert access_refusal(PeerCred(me, 1001, 42), owner_uid=1000, allowed_gid=42) is None
+    refusal = access_refusal(PeerCred(me, 1001, 43), owner_uid=1000, allowed_gid=42)
+    assert refusal == f"process {me} (uid 1001, gid 43) is not uid 1000 or gid 42"
+    assert "is not uid 1000" in access_refusal(PeerCred(me, 1001, 42), 1000, None)
+
+
+def test_an_allowed_group_counts_among_supplementary_groups() -> None:
+    groups = supplementary_groups(os.getpid())
+    assert groups == frozenset(os.getgroups())
+    for gid in groups:
+        assert access_refusal(PeerCred(os.getpid(), 4321, 4321), 1000, gid) is None
+    assert supplementary_groups(2**22 + 12345) == frozenset()  # no such process

@@ -11,6 +11,7 @@ could not start (the message says why); 2 bad flags.
 from __future__ import annotations
 
 import argparse
+import grp
 import json
 import logging
 import math
@@ -61,6 +62,12 @@ def _serve_parser() -> argparse.ArgumentParser:
         default=5.0,
         help="close a connection that sends nothing for this long (default 5)",
     )
+    p.add_argument(
+        "--allow-gid",
+        default=None,
+        help="also let members of this group (name or id) claim: the socket becomes 0660 "
+        "with this group (default: the service's own uid only)",
+    )
     return p
 
 
@@ -96,6 +103,7 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
     if not (math.isfinite(args.idle_timeout_s) and args.idle_timeout_s > 0):
         raise FlagError(f"--idle-timeout-s must be a positive number, got {args.idle_timeout_s}")
     return ServiceConfig(
+        allowed_gid=_group_id(args.allow_gid) if args.allow_gid is not None else None,
         socket_path=socket_path,
         pool_dir=pool_dir,
         guard_count=args.guard_count,
@@ -103,6 +111,22 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         compatibility_digest=digest,
         idle_timeout_s=args.idle_timeout_s,
     )
+
+
+def _group_id(value: str) -> int:
+    if value.isdigit():
+        gid = int(value)
+        if gid >= 1 << 32:
+            raise FlagError(f"--allow-gid {value}: not a group id")
+    else:
+        try:
+            gid = grp.getgrnam(value).gr_gid
+        except KeyError:
+            raise FlagError(f"--allow-gid {value}: no such group") from None
+    # The socket and the group files are given to this group: only root or a member may.
+    if os.geteuid() != 0 and gid not in (os.getegid(), *os.getgroups()):
+        raise FlagError(f"--allow-gid {value}: this service's user is not in group {gid}")
+    return gid
 
 
 def _setup_logging(level_name: str | None) -> None:

@@ -160,8 +160,11 @@ class GroupFile:
             os.close(fd)
 
 
-def create_group_file(directory: Path, index: int, layout: GroupLayout) -> GroupFile:
-    """Create ``kvcr-group-<index>.pool`` exclusively, mode 0600, fully allocated, and lock it.
+def create_group_file(
+    directory: Path, index: int, layout: GroupLayout, group: int | None = None
+) -> GroupFile:
+    """Create ``kvcr-group-<index>.pool`` exclusively, mode 0600 (0660 with ``group``), fully
+    allocated, and lock it.
 
     Raises FileExistsError if the file exists. If the space cannot be reserved (ENOSPC,
     EFBIG, or fewer free bytes than ``layout.total_size``) raises OSError naming the file
@@ -177,7 +180,12 @@ def create_group_file(directory: Path, index: int, layout: GroupLayout) -> Group
     size = layout.total_size
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     try:
-        os.fchmod(fd, 0o600)  # the creation mode is filtered by the umask; enforce it
+        # Owner-only, or owner and ``group`` (the service's allowed group: a claimant
+        # reopens the descriptor it receives, which checks the file's mode). Set here, not
+        # at open: the creation mode is filtered by the umask.
+        if group is not None:
+            os.fchown(fd, -1, group)
+        os.fchmod(fd, 0o600 if group is None else 0o660)
         vfs = os.fstatvfs(fd)
         free = vfs.f_bavail * vfs.f_frsize
         if size > free:

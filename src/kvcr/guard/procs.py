@@ -34,6 +34,31 @@ def peer_cred(sock: socket.socket) -> PeerCred:
     return PeerCred(pid, uid, gid)
 
 
+def supplementary_groups(pid: int) -> frozenset[int]:
+    """The process's supplementary group ids (empty if it is gone or unreadable)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Groups:"):
+                    return frozenset(int(g) for g in line.split()[1:])
+    except (OSError, ValueError):
+        pass
+    return frozenset()
+
+
+def access_refusal(cred: PeerCred, owner_uid: int, allowed_gid: int | None) -> str | None:
+    """Why ``cred`` may not use the service, or None: the service's own uid and root may;
+    with ``allowed_gid``, so may members of that group (primary or supplementary)."""
+    if cred.uid in (owner_uid, 0):
+        return None
+    if allowed_gid is not None and (
+        cred.gid == allowed_gid or allowed_gid in supplementary_groups(cred.pid)
+    ):
+        return None
+    allowed = f"uid {owner_uid}" + (f" or gid {allowed_gid}" if allowed_gid is not None else "")
+    return f"process {cred.pid} (uid {cred.uid}, gid {cred.gid}) is not {allowed}"
+
+
 def peer_pidfd(sock: socket.socket) -> int | None:
     """A pidfd for the connecting process from the kernel, or None where it has none
     (or where ``KVCR_GUARD_PEERPIDFD=0`` says to act as on kernels without it)."""

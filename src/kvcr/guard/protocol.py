@@ -67,6 +67,7 @@ REFUSAL_CODES = (
     "control_mismatch",
     "control_unavailable",
     "bad_request",
+    "permission_denied",
 )
 GROUP_STATES = ("idle", "held", "serving", "handing_back")
 

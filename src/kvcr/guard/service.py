@@ -38,7 +38,13 @@ from kvcr.errors import KVCRMsgFramingError
 from kvcr.guard import protocol as wire
 from kvcr.guard.journal import Follower, Replay
 from kvcr.guard.pools import GroupFile, create_group_file, map_group, plan_group, reclaim_orphans
-from kvcr.guard.procs import PeerCred, claimant_pidfd, close_quietly, peer_cred
+from kvcr.guard.procs import (
+    PeerCred,
+    access_refusal,
+    claimant_pidfd,
+    close_quietly,
+    peer_cred,
+)
 from kvcr.guard.rules import Groups, Lease, Refusal
 from kvcr.guard.serving import CannotServe, GroupServer
 
@@ -60,6 +66,7 @@ class ServiceConfig:
     pool_sizes: list[int]  # bytes, page-rounded, one per ordered pool of every group
     compatibility_digest: str
     idle_timeout_s: float = 5.0  # a connection that sends nothing for this long is closed
+    allowed_gid: int | None = None  # besides the service's uid: members of this group
 
 
 class Guard:
@@ -287,7 +294,7 @@ class GuardService:
             self.log.warning("group_file_in_use", path=str(path))
         for index in range(cfg.guard_count):
             try:
-                group_file = create_group_file(cfg.pool_dir, index, self.layout)
+                group_file = create_group_file(cfg.pool_dir, index, self.layout, cfg.allowed_gid)
             except FileExistsError:
                 raise ServiceStartError(
                     f"--pool-dir {cfg.pool_dir}: group file for group {index} exists and a live "
@@ -302,9 +309,12 @@ class GuardService:
                 raise
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            old_umask = os.umask(0o177)  # the socket is created 0600, never briefly wider
+            # The socket is created 0600 (0660 with an allowed group), never briefly wider.
+            old_umask = os.umask(0o177 if cfg.allowed_gid is None else 0o117)
             try:
                 listener.bind(str(cfg.socket_path))
+                if cfg.allowed_gid is not None:
+                    os.chown(cfg.socket_path, -1, cfg.allowed_gid)
             finally:
                 os.umask(old_umask)
             listener.listen(128)
@@ -480,6 +490,11 @@ class GuardService:
         message: wire.Message,
         fds: list[int],
     ) -> None:
+        denied = access_refusal(cred, os.geteuid(), self.config.allowed_gid)
+        if denied is not None:
+            refusal = Refusal("permission_denied", f"{message.TYPE} request: {denied}")
+            await self._refuse(conn, log, refusal, fds)
+            return
         if isinstance(message, wire.ClaimRequest):
             if len(fds) > 1:
                 close_quietly(*fds)
@@ -505,10 +520,6 @@ class GuardService:
         self, conn: Any, cred: PeerCred, log: Any, request: wire.ClaimRequest, fds: list[int]
     ) -> None:
         what = f"claim of group {request.guard_index}"
-        if cred.uid not in (os.geteuid(), 0):
-            refusal = Refusal("bad_request", f"{what}: uid {cred.uid} may not claim here")
-            await self._refuse(conn, log, refusal, fds)
-            return
         try:
             pidfd, cred = claimant_pidfd(conn, fds)
         except ValueError as exc:
