@@ -35,3 +35,9 @@ def test_guard_quickstart_runs_over_the_guards_pools_and_gives_them_back() -> No
     assert "deposited into the guard's pool: True" in out
     tables = out.split("group  state")
     assert "0      held" in tables[1] and "0      idle" in tables[2]
+
+
+def test_custom_policy_keeps_the_aligned_system_prompt_resident() -> None:
+    out = run_example("custom_policy.py")
+    assert "evicted, in order: user-0, user-1, user-2, user-3" in out
+    assert "resident: system-0, system-1, user-4, user-5" in out

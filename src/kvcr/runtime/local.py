@@ -644,10 +644,12 @@ class LocalG2:
         for position, block in placed:
             block.position = position
             block.last_access = anchor - position * 1e-9
-            self.index.rescore(block, self.score(block))
+        # The hook first, then the scores: a policy may score by what the hook taught it.
         if self._wants("on_align_sequence"):
             metas = [self.meta(b) for b in blocks]
             self._policy("on_align_sequence", None, metas, use_current_time)
+        for block in blocks:
+            self.index.rescore(block, self.score(block))
 
 
 CapacityCallback = Callable[[list[tuple[str, int]]], None]
