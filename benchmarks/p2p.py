@@ -77,6 +77,7 @@ from p2p_worker import ENGINE_KEY_BASE, POOL_KEY_BASE, IntKeys, block_key
 
 from kvcr.config import RemoteFWDramOptions
 from kvcr.control_channels import ZmqPeerControlChannel
+from kvcr.hints import fetch_hint
 from kvcr.types import MemoryRef, OpEntryStatus
 
 OP_TIMEOUT_S = 30.0
@@ -190,21 +191,7 @@ class Destination:
         return [("pool", POOL_KEY_BASE), ("engine", ENGINE_KEY_BASE)]
 
     def hint(self, variant: str, n: int, request_id: str) -> dict:
-        return {
-            "protocol_version": "0.1",
-            "message_id": request_id,
-            "actions": [
-                {
-                    "action_id": 0,
-                    "action_type": "kv.fetch",
-                    "action_version": "1.0",
-                    "payload": {
-                        "source_control_endpoint": self.endpoint,
-                        "block_hashes": self.hashes[variant][:n],
-                    },
-                }
-            ],
-        }
+        return fetch_hint(self.endpoint, self.hashes[variant][:n], message_id=request_id)
 
     def kvcr(self, variant: str, n: int) -> float:
         """One remote deliver of the first ``n`` blocks: submit_hint (untimed), then

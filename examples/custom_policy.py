@@ -19,10 +19,10 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("UCX_MEM_EVENTS", "no")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
-import time
 from collections.abc import Sequence
 
 import numpy as np
+from kvcr_workers import wait_for
 
 from kvcr import KVCR, KVCRBindings
 from kvcr.config import KVCRBackendConfigs, KVCRConfig, LocalDramOptions
@@ -63,20 +63,6 @@ class KeepPrefixPolicy(LRUPolicy):
     def on_remove(self, meta: BlockMeta) -> None:
         self.evicted.append(meta.block_key)
         self.protected.discard(meta.block_key)
-
-
-def wait_for(kv: KVCR, handle: int, nkeys: int, timeout_s: float = 5.0) -> dict:
-    """Poll like an engine until every entry of operation ``handle`` has arrived."""
-    entries: dict = {}
-    deadline = time.monotonic() + timeout_s
-    while len(entries) < nkeys:
-        for op, results in kv.poll_completed():
-            if op == handle:
-                entries.update(results)
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"operation {handle}: {len(entries)} of {nkeys} entries arrived")
-        time.sleep(0.001)
-    return entries
 
 
 def main() -> None:

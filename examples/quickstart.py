@@ -20,38 +20,17 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("UCX_MEM_EVENTS", "no")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
-import time
-
 import numpy as np
+from kvcr_workers import wait_for  # poll_completed() until every entry of an operation arrived
 
 from kvcr import KVCR, KVCRBindings
 from kvcr.config import KVCRBackendConfigs, KVCRConfig, LocalDramOptions
-from kvcr.types import MemoryRef, OpEntryResult, RegionDescriptor
+from kvcr.types import MemoryRef, RegionDescriptor
 
 BLOCK_SIZE = 4096  # bytes per KV block
 ENGINE_BLOCKS = 16
 POOL_BLOCKS = 8
 AGENT = "w0"  # this worker's NIXL agent name; MemoryRefs to engine memory name it
-
-
-def wait_for(kv: KVCR, handle: int, nkeys: int, timeout_s: float = 5.0) -> dict:
-    """Poll until all ``nkeys`` entries of operation ``handle`` have arrived.
-
-    An engine calls ``poll_completed()`` from its own loop. One operation's entries may
-    arrive over several polls, so collect them until every key is answered. (A real
-    adapter also keeps results of other operations that arrive meanwhile; here only one
-    operation is in flight at a time.)
-    """
-    entries: dict[bytes, OpEntryResult] = {}
-    deadline = time.monotonic() + timeout_s
-    while len(entries) < nkeys:
-        for op, results in kv.poll_completed():
-            if op == handle:
-                entries.update(results)
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"operation {handle}: {len(entries)} of {nkeys} entries arrived")
-        time.sleep(0.001)
-    return entries
 
 
 def refs(keys: list[bytes], first_block: int) -> dict[bytes, list[MemoryRef]]:

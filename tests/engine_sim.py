@@ -17,6 +17,7 @@ import numpy as np
 import trio
 
 from kvcr.config import KVCRBackendConfigs, KVCRConfig, LocalDramOptions
+from kvcr.hints import fetch_hint
 from kvcr.types import BlockKey, MemoryRef, OpEntryResult, RegionDescriptor
 
 
@@ -26,18 +27,7 @@ def key(i: int) -> BlockKey:
 
 def router_hint(endpoint: str, block_hashes: list[int]) -> dict:
     """The envelope Dynamo's KV router sends: fetch these blocks from ``endpoint``."""
-    return {
-        "protocol_version": "0.1",
-        "message_id": 1,
-        "actions": [
-            {
-                "action_id": 1,
-                "action_type": "kv.fetch",
-                "action_version": "1.0",
-                "payload": {"source_control_endpoint": endpoint, "block_hashes": block_hashes},
-            }
-        ],
-    }
+    return fetch_hint(endpoint, block_hashes)
 
 
 class EngineSim:

@@ -327,6 +327,26 @@ def _as_router_hash(block_hash: object) -> int:
 # --- the parser -----------------------------------------------------------------------------
 
 
+def fetch_hint(endpoint: str, block_hashes: Sequence[int], message_id: object = 1) -> dict:
+    """The envelope a router sends to say "these blocks are at ``endpoint``": for tools,
+    tests and examples that stand in for the router."""
+    return {
+        "protocol_version": PROTOCOL_VERSION,
+        "message_id": message_id,
+        "actions": [
+            {
+                "action_id": 1,
+                "action_type": FETCH_ACTION_TYPE,
+                "action_version": FETCH_ACTION_VERSION,
+                "payload": {
+                    "source_control_endpoint": endpoint,
+                    "block_hashes": list(block_hashes),
+                },
+            }
+        ],
+    }
+
+
 def _reject(path: str, what: str) -> ValueError:
     return ValueError(f"submit_hint: {path}: {what}")
 

@@ -41,3 +41,17 @@ def test_custom_policy_keeps_the_aligned_system_prompt_resident() -> None:
     out = run_example("custom_policy.py")
     assert "evicted, in order: user-0, user-1, user-2, user-3" in out
     assert "resident: system-0, system-1, user-4, user-5" in out
+
+
+def test_two_workers_share_a_prefix_through_a_router_hint() -> None:
+    out = run_example("two_workers.py")
+    assert "B without a hint: {'MISS'}" in out
+    assert "B with the router's hint to A: {'SUCCESS'}" in out
+    assert "B's blocks have A's checksums: True" in out
+
+
+def test_guard_recovery_serves_a_killed_workers_blocks_and_starts_its_replacement_warm() -> None:
+    out = run_example("guard_recovery.py")
+    assert "B pulled the prefix again, from A's guard: {'SUCCESS'}" in out
+    assert "warm: 16 of 16 prefix blocks are local hits" in out
+    assert "every copy has A's checksums" in out

@@ -1,0 +1,290 @@
+"""What the multi-worker examples share: an engine stand-in, kvcr workers in child processes,
+and a guard service to run them over.
+
+A real deployment has an inference engine in each worker process; here a numpy array is
+the engine's KV memory, and each block's bytes are derived from its key, so that any copy
+of a block can be checked against the original by checksum. A :class:`Worker` is a child
+process running one KVCR instance with a real NIXL agent and a real ZMQ control channel on
+127.0.0.1; the parent drives it with commands and can SIGKILL it.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Set before kvcr (or NIXL) is imported anywhere in the process: see examples/quickstart.py.
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("UCX_MEM_EVENTS", "no")
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+import multiprocessing
+import socket
+import subprocess
+import sys
+import time
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvcr import KVCR, KVCRBindings, KVCRClient
+from kvcr.config import (
+    KVCRBackendConfigs,
+    KVCRConfig,
+    KVCRGuardConfig,
+    LocalDramOptions,
+)
+from kvcr.control_channels import ZmqPeerControlChannel
+from kvcr.errors import KVCRSocketError
+from kvcr.hints import fetch_hint
+from kvcr.telemetry import TRANSFER_BYTES_METRIC, InMemoryStats
+from kvcr.types import MemoryRef, QueryStatus, RegionDescriptor
+
+DIGEST = "example-model/tp1/bf16"  # what every worker of a deployment presents to the guard
+
+
+def wait_for(kv: KVCR, handle: int, nkeys: int, timeout_s: float = 10.0) -> dict:
+    """Poll until all ``nkeys`` entries of operation ``handle`` have arrived.
+
+    An engine calls ``poll_completed()`` from its own loop. One operation's entries may
+    arrive over several polls, so collect them until every key is answered. (A real
+    adapter also keeps results of other operations that arrive meanwhile; here only one
+    operation is in flight at a time.)
+    """
+    entries: dict = {}
+    deadline = time.monotonic() + timeout_s
+    while len(entries) < nkeys:
+        for op, results in kv.poll_completed():
+            if op == handle:
+                entries.update(results)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"operation {handle}: {len(entries)} of {nkeys} entries arrived")
+        time.sleep(0.0005)
+    return entries
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class IntKeys:
+    """The engine's key adapter: block hash (an int, as the router knows it) <-> kvcr key."""
+
+    def encode(self, framework_key: int) -> bytes:
+        return framework_key.to_bytes(8, "big")
+
+    def decode(self, key: bytes) -> int:
+        return int.from_bytes(key, "big")
+
+
+# -- the guard service ------------------------------------------------------------------------
+
+
+class Guard:
+    """``kvcr-guard`` in a child process, with ``groups`` pool groups of ``size_gb`` each."""
+
+    def __init__(self, directory: Path, groups: int, size_gb: float) -> None:
+        self.socket_path = str(directory / "guard.sock")
+        (directory / "pools").mkdir()
+        self.proc = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "kvcr.kvcr_service"),
+                *("--socket-path", self.socket_path, "--pool-dir", str(directory / "pools")),
+                *("--guard-count", str(groups), "--pool-sizes-gb", str(size_gb)),
+                *("--compatibility-digest", DIGEST, "--log-level", "WARNING"),
+            ]
+        )
+        self.client = KVCRClient(self.socket_path)
+        deadline = time.monotonic() + 30
+        while True:  # the socket appears once every pool group exists
+            try:
+                self.client.status()
+                return
+            except KVCRSocketError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("kvcr-guard did not start") from None
+                time.sleep(0.05)
+
+    def states(self) -> list[str]:
+        return [group.state for group in self.client.status()]
+
+    def wait_for_state(self, group: int, state: str, timeout_s: float = 30) -> float:
+        """Seconds until group ``group`` is in ``state``."""
+        started = time.monotonic()
+        while self.states()[group] != state:
+            if time.monotonic() - started > timeout_s:
+                raise TimeoutError(f"group {group} is {self.states()[group]}, not {state}")
+            time.sleep(0.002)
+        return time.monotonic() - started
+
+    def status_table(self) -> str:
+        status = [sys.executable, "-m", "kvcr.kvcr_service", "status"]
+        return subprocess.run(
+            [*status, "--socket-path", self.socket_path], capture_output=True, text=True, check=True
+        ).stdout
+
+    def stop(self) -> None:
+        self.proc.terminate()  # SIGTERM: the service removes its pool files and socket
+        self.proc.wait(30)
+
+
+# -- workers in child processes ---------------------------------------------------------------
+
+
+class Worker:
+    """One kvcr worker in a child process. ``guard`` = (socket path, group index) runs it over
+    the guard's pool group; otherwise it owns a pool of ``pool_blocks`` blocks."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        block_size: int,
+        engine_blocks: int,
+        pool_blocks: int = 0,
+        guard: tuple[str, int] | None = None,
+        port: int | None = None,
+    ) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.name = name
+        self.port = port or free_port()  # a replacement over the same guard group reuses it
+        self.conn, theirs = context.Pipe()
+        spec = dict(
+            name=name,
+            block_size=block_size,
+            engine_blocks=engine_blocks,
+            pool_blocks=pool_blocks,
+            guard=guard,
+            port=self.port,
+        )
+        self.proc = context.Process(target=_serve, args=(theirs, spec), daemon=True)
+        self.proc.start()
+        theirs.close()
+        self.endpoint: str = self("endpoint")
+
+    def __call__(self, command: str, *args: Any, timeout_s: float = 60) -> Any:
+        self.conn.send((command, *args))
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError(f"worker {self.name}: no answer to {command!r}")
+        ok, value = self.conn.recv()
+        if not ok:
+            raise RuntimeError(f"worker {self.name}: {command} failed:\n{value}")
+        return value
+
+    def kill(self) -> None:
+        """SIGKILL: no clean-up of any kind, as when a worker crashes."""
+        self.proc.kill()
+        self.proc.join(10)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            self("stop")
+        self.proc.join(30)
+
+
+def block_bytes(key: int, size: int) -> np.ndarray:
+    """The bytes of block ``key``: the same wherever they are computed."""
+    return np.random.default_rng(key).integers(0, 256, size, dtype=np.uint8)
+
+
+def _serve(conn: Any, spec: dict) -> None:
+    """The child: one engine stand-in and one KVCR, obeying the parent's commands."""
+    name, block = spec["name"], spec["block_size"]
+    engine = np.zeros(block * spec["engine_blocks"], dtype=np.uint8)
+    pool = np.zeros(block * max(spec["pool_blocks"], 1), dtype=np.uint8)
+    keys = IntKeys()
+    channel = ZmqPeerControlChannel("127.0.0.1", spec["port"], "127.0.0.1")
+    stats = InMemoryStats()
+    guard = spec["guard"]
+    kv = KVCR(
+        KVCRConfig(name, [("", block)], enable_telemetry=True),
+        KVCRBindings(
+            # This engine never lends its own memory to peers: they get kvcr's pool copies.
+            request_pin=lambda wanted: 0,
+            poll_pin_results=lambda: [],
+            release_pin=lambda handle: True,
+            framework_control=channel,
+            key_adapter=keys,
+            stats_factory=lambda: stats,
+        ),
+        KVCRBackendConfigs(
+            framework_regions=[
+                RegionDescriptor(addr=engine.ctypes.data, size=block, count=spec["engine_blocks"])
+            ],
+            local_dram=None if guard else LocalDramOptions([("", pool.ctypes.data, pool.nbytes)]),
+        ),
+        KVCRGuardConfig(guard[0], guard[1], DIGEST) if guard else None,
+    )
+
+    def view(element: int) -> np.ndarray:
+        return engine[element * block : (element + 1) * block]
+
+    def refs(hashes: Sequence[int]) -> dict[bytes, list[MemoryRef]]:
+        return {
+            keys.encode(h): [MemoryRef(end_point_name=name, element_index=i)]
+            for i, h in enumerate(hashes)
+        }
+
+    def compute_and_deposit(hashes: Sequence[int]) -> dict[int, int]:
+        """The engine computed these blocks (engine blocks 0..): offer them to kvcr."""
+        for i, h in enumerate(hashes):
+            view(i)[:] = block_bytes(h, block)
+        entries = wait_for(kv, kv.deposit(refs(hashes)), len(hashes))
+        assert all(e.success for e in entries.values()), "deposit failed"
+        return {h: zlib.crc32(view(i)) for i, h in enumerate(hashes)}
+
+    def deliver(hashes: Sequence[int], source: str | None, request: str) -> dict:
+        """Place these blocks into engine blocks 0..; with ``source``, the router's hint
+        names the worker that has them. Returns statuses, checksums and the duration."""
+        engine[:] = 0
+        if source is not None:
+            kv.submit_hint(fetch_hint(source, hashes), request_id=request)
+        started = time.perf_counter()
+        entries = wait_for(kv, kv.deliver(refs(hashes), request_id=request), len(hashes))
+        seconds = time.perf_counter() - started
+        kv.discard_hint(request)
+        return {
+            "status": {h: entries[keys.encode(h)].status.name for h in hashes},
+            "crc": {h: zlib.crc32(view(i)) for i, h in enumerate(hashes)},
+            "seconds": seconds,
+        }
+
+    def query(hashes: Sequence[int]) -> list[str]:
+        return [status.name for status, _ in kv.query([keys.encode(h) for h in hashes])]
+
+    def bytes_moved() -> dict[str, int]:
+        kv.get_stats()
+        return {
+            scope: int(value)
+            for (metric, (scope,)), value in stats.counters.items()
+            if metric == TRANSFER_BYTES_METRIC
+        }
+
+    commands = {
+        "endpoint": lambda: channel.endpoint,
+        "compute_and_deposit": compute_and_deposit,
+        "deliver": deliver,
+        "query": query,
+        "bytes_moved": bytes_moved,
+    }
+    try:
+        while True:
+            command, *args = conn.recv()
+            if command == "stop":
+                break
+            try:
+                conn.send((True, commands[command](*args)))
+            except Exception as exc:  # the parent shows it; the worker goes on
+                conn.send((False, f"{type(exc).__name__}: {exc}"))
+    finally:
+        kv.close()  # waits until no transfer can touch the engine or pool memory
+        channel.close()
+    conn.send((True, None))
+
+
+def hits(statuses: Sequence[str]) -> int:
+    return sum(status == QueryStatus.HIT.name for status in statuses)
