@@ -11,7 +11,6 @@ replacement starts warm, with every block of the prefix a local hit.
 """
 
 import tempfile
-import time
 from pathlib import Path
 
 from kvcr_workers import Guard, Worker, hits
@@ -38,7 +37,7 @@ def main() -> None:
                 return w
 
             a, b = worker("worker-a", 0), worker("worker-b", 1)
-            computed = a("compute_and_deposit", PREFIX)
+            computed = a("compute_and_deposit", PREFIX)["crc"]
             first = b("deliver", PREFIX, a.endpoint, "request-1")
             print("B pulled the prefix from A:", set(first["status"].values()))
 
@@ -49,11 +48,10 @@ def main() -> None:
             second = b("deliver", PREFIX, a.endpoint, "request-2")
             print("B pulled the prefix again, from A's guard:", set(second["status"].values()))
 
-            started = time.monotonic()
             replacement = worker("worker-a2", 0, port=a.port)  # A's group and endpoint
             warm = hits(replacement("query", PREFIX))
             print(
-                f"A's replacement started in {time.monotonic() - started:.2f} s, warm: "
+                f"A's replacement started in {replacement('startup_seconds'):.2f} s, warm: "
                 f"{warm} of {len(PREFIX)} prefix blocks are local hits"
             )
             print(guard.status_table())

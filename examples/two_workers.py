@@ -20,7 +20,7 @@ def main() -> None:
     a = Worker("worker-a", block_size=BLOCK_SIZE, engine_blocks=32, pool_blocks=64)
     b = Worker("worker-b", block_size=BLOCK_SIZE, engine_blocks=32, pool_blocks=64)
     try:
-        computed = a("compute_and_deposit", PREFIX)
+        computed = a("compute_and_deposit", PREFIX)["crc"]
         print(f"A computed and deposited {len(PREFIX)} blocks; A's endpoint is {a.endpoint}")
 
         print("B without a hint:", set(b("query", PREFIX)))

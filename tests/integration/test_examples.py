@@ -13,10 +13,10 @@ pytestmark = pytest.mark.integration
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def run_example(name: str) -> str:
+def run_example(name: str, *args: str) -> str:
     """Run ``examples/<name>`` as a user would; its stdout, once it exited cleanly."""
     done = subprocess.run(
-        [sys.executable, str(EXAMPLES / name)],
+        [sys.executable, str(EXAMPLES / name), *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -55,3 +55,10 @@ def test_guard_recovery_serves_a_killed_workers_blocks_and_starts_its_replacemen
     assert "B pulled the prefix again, from A's guard: {'SUCCESS'}" in out
     assert "warm: 16 of 16 prefix blocks are local hits" in out
     assert "every copy has A's checksums" in out
+
+
+def test_the_demo_verifies_every_block_it_moves_and_says_ok() -> None:
+    out = run_example("demo.py", "--blocks", "32")
+    assert "96 of 96 blocks verified against A's checksums" in out
+    assert "A2 started warm with 32 of 32 blocks" in out
+    assert out.rstrip().endswith("demo: OK")
