@@ -6,6 +6,11 @@ one NIXL WRITE whose notification (``Written``) names what was written; when it 
 nothing, or the write fails, it sends ``Over`` instead. Claims and pins are released only
 when the write is terminal.
 
+A pull is acted on at most once: the source remembers the requests it served, refused or
+declared over in a probe answer, so a duplicate, or a pull that arrives after the probe the
+destination sent when it gave up on it, is dropped instead of writing into memory the
+destination may already have handed back.
+
 Deadlines, measured from the pull's arrival: a pull still waiting for pins at
 ``operation_timeout_ms`` is dropped (``Over``); a write still running then stalls this
 source, which refuses new pulls until it ends; a write still running at
@@ -16,6 +21,7 @@ and ``quiesced`` follows when the write is terminal. A destination's ``Probe`` w
 
 from __future__ import annotations
 
+from collections import OrderedDict, deque
 from typing import TYPE_CHECKING
 
 import attrs
@@ -30,6 +36,51 @@ from kvcr.types import TransferError
 
 if TYPE_CHECKING:
     from kvcr.runtime.peers import Peers
+
+
+SEEN_PULLS = 4096  # requests remembered per destination incarnation
+SEEN_INCARNATIONS = 64  # destination incarnations remembered (least recently pulling goes)
+
+
+@attrs.define(eq=False)
+class _Window:
+    """One destination incarnation's requests seen. Its requests are numbered upward, so
+    the oldest ones are forgotten into ``floor``: anything at or below it counts as seen
+    (a pull that late is refused, which is the safe side)."""
+
+    reqs: set[int] = attrs.field(factory=set)
+    order: deque[int] = attrs.field(factory=deque)
+    floor: int = 0
+
+    def add(self, req: int) -> bool:
+        if req <= self.floor or req in self.reqs:
+            return False
+        self.reqs.add(req)
+        self.order.append(req)
+        if len(self.order) > SEEN_PULLS:
+            old = self.order.popleft()
+            self.reqs.discard(old)
+            self.floor = max(self.floor, old)
+        return True
+
+
+class SeenPulls:
+    """Pull requests this source has acted on, per destination incarnation (bounded)."""
+
+    def __init__(self) -> None:
+        self._windows: OrderedDict[int, _Window] = OrderedDict()
+
+    def add(self, incarnation: int, req: int) -> bool:
+        """Record ``req``; False if it was seen (or forgotten as too old) before."""
+        window = self._windows.pop(incarnation, None) or _Window()
+        self._windows[incarnation] = window  # most recently used last
+        if len(self._windows) > SEEN_INCARNATIONS:
+            self._windows.popitem(last=False)
+        return window.add(req)
+
+    def forget(self, incarnation: int) -> None:
+        """That destination process is gone (a new incarnation greeted from its agent)."""
+        self._windows.pop(incarnation, None)
 
 
 @attrs.define(eq=False)
@@ -63,6 +114,7 @@ class Source:
         self.log = net.log
         self.agents_by_incarnation: dict[int, str] = {}  # destinations we have metadata of
         self.jobs: dict[tuple[int, int], SourceJob] = {}  # (dst incarnation, req) -> job
+        self.seen = SeenPulls()
         self.stalled = False
         self.closing = False
 
@@ -89,6 +141,7 @@ class Source:
         for incarnation, name in list(self.agents_by_incarnation.items()):
             if name == agent and incarnation != msg.incarnation:
                 del self.agents_by_incarnation[incarnation]  # that process is gone
+                self.seen.forget(incarnation)
         self.agents_by_incarnation[msg.incarnation] = agent
         self.net.send(
             msg.sender,
@@ -103,7 +156,9 @@ class Source:
 
     def on_pull(self, msg: m.Pull) -> None:
         key = (msg.incarnation, msg.req)
-        if key in self.jobs:
+        if not self.seen.add(msg.incarnation, msg.req):
+            # Served, refused, or declared over already: the destination may be reusing the
+            # memory by now. No answer: it has one, or its probe gets "over".
             self.net.drop("duplicate_pull", f"{msg.sender} req {msg.req}")
             return
         reason = None
@@ -149,6 +204,10 @@ class Source:
     def on_probe(self, msg: m.Probe) -> None:
         job = self.jobs.get((msg.incarnation, msg.req))
         state = job.state if job is not None else "over"
+        if job is None:
+            # "over" is a promise that this pull never writes: if the Pull itself is still
+            # on its way (delayed, reordered behind this probe), it must be refused.
+            self.seen.add(msg.incarnation, msg.req)
         if job is not None and state == "pending" and msg.cancel:
             job.scope.cancel()
             state = "over"

@@ -10,6 +10,11 @@ Several fake transports in one process talk through a :class:`FakeFabric` (peer 
 notifications, a peer that dies); :class:`FakeControlHub` is the matching in-memory
 control channel. Both exist only so deadline and fault paths can run under MockClock;
 the data path is tested on real NIXL and ZMQ.
+
+A :class:`FaultPlan` shared by the fabric and the hub drops, delays, duplicates or reorders
+the next messages of a given type (control messages and notifications alike) and counts
+what it did. ``watch`` on a transport sees every byte range a landing transfer reads from
+or writes into that agent's memory, so a test can check it was the transfer's to touch.
 """
 
 from __future__ import annotations
@@ -19,9 +24,12 @@ import itertools
 import os
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import attrs
+import trio
 
+from kvcr.transport import messages
 from kvcr.transport.base import Segment, TransportError, XferState
 
 
@@ -30,9 +38,118 @@ class Behavior:
     delay: float | None = 0.0  # seconds after posting; None = never finishes by itself
     fail: bool = False  # finishes with ERR (after delay) and copies nothing
     refuse: bool = False  # post raises TransportError
+    # With ``fail``: the bytes land (and a peer write's notification leaves) before the
+    # transfer reports ERR, as when the completion is followed by an error.
+    lands: bool = False
 
 
 NEVER = Behavior(delay=None)
+
+FaultKind = Literal["drop", "delay", "duplicate", "reorder"]
+
+
+@attrs.frozen
+class Fault:
+    """What happens to one message on its way: ``drop`` it; ``delay`` it by ``seconds``;
+    ``duplicate`` it (delivered now, and again ``seconds`` later); ``reorder`` it (held
+    until the next message to the same place has been delivered, at most ``seconds``)."""
+
+    kind: FaultKind
+    seconds: float = 0.0
+
+
+# Watches see (access, address, bytes) for memory a landing transfer touches.
+Watch = Callable[[Literal["read", "write"], int, int], None]
+
+
+class FaultPlan:
+    """Faults for the next messages of a type (``messages.TYPES`` names: control messages
+    and the ``written`` notification), applied in the order they were added; ``applied``
+    lists every fault that hit a message. Delays need :meth:`run` in a nursery."""
+
+    def __init__(self) -> None:
+        self._rules: list[tuple[str, Fault]] = []
+        self.applied: list[tuple[str, Fault]] = []
+        self._held: dict[str, list[Callable[[], None]]] = {}  # place -> reordered deliveries
+        self._nursery: trio.Nursery | None = None
+        self.pending = 0  # deliveries scheduled for later and not done yet
+
+    def add(self, kind: str, fault: Fault, count: int = 1) -> None:
+        if kind not in messages.TYPES:
+            raise ValueError(f"fault plan: unknown message type {kind!r}")
+        self._rules.extend([(kind, fault)] * count)
+
+    @property
+    def armed(self) -> int:
+        """Faults added but not applied yet (their message never came)."""
+        return len(self._rules)
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    def route(self, raw: bytes, place: str, deliver: Callable[[], None]) -> None:
+        """Deliver ``raw`` to ``place`` through ``deliver``, unless a fault says otherwise."""
+        fault = self._take(raw)
+        if fault is None:
+            self._deliver(place, deliver)
+        elif fault.kind == "delay":
+            self._later(fault.seconds, lambda: self._deliver(place, deliver))
+        elif fault.kind == "duplicate":
+            self._deliver(place, deliver)
+            self._later(fault.seconds, lambda: self._deliver(place, deliver))
+        elif fault.kind == "reorder":
+            once = _Once(deliver)
+            self._held.setdefault(place, []).append(once)
+            self._later(fault.seconds, once)  # nothing overtook it in time
+        # "drop": nothing
+
+    def _take(self, raw: bytes) -> Fault | None:
+        if not self._rules:
+            return None
+        try:
+            kind = messages.decode(raw).TYPE
+        except messages.MessageError:
+            return None
+        for i, (wanted, fault) in enumerate(self._rules):
+            if wanted == kind:
+                del self._rules[i]
+                self.applied.append((kind, fault))
+                return fault
+        return None
+
+    def _deliver(self, place: str, deliver: Callable[[], None]) -> None:
+        deliver()
+        for held in self._held.pop(place, []):
+            held()
+
+    def _later(self, seconds: float, deliver: Callable[[], None]) -> None:
+        if self._nursery is None:
+            raise RuntimeError("fault plan: delayed delivery needs FaultPlan.run in a nursery")
+        self.pending += 1
+
+        async def at() -> None:
+            try:
+                await trio.sleep(seconds)
+                deliver()
+            finally:
+                self.pending -= 1
+
+        self._nursery.start_soon(at)
+
+
+class _Once:
+    """A delivery that happens at most once (a reordered message: overtaken or timed out)."""
+
+    def __init__(self, deliver: Callable[[], None]) -> None:
+        self._deliver: Callable[[], None] | None = deliver
+
+    def __call__(self) -> None:
+        deliver, self._deliver = self._deliver, None
+        if deliver is not None:
+            deliver()
 
 
 @attrs.define
@@ -54,6 +171,7 @@ class FakeFabric:
 
     def __init__(self) -> None:
         self.agents: dict[str, FakeTransport] = {}
+        self.plan: FaultPlan | None = None  # faults for notifications
 
     def kill(self, agent: str) -> None:
         """The process behind ``agent`` died: its own writes never finish, writes to it fail."""
@@ -78,6 +196,7 @@ class FakeTransport:
         self._token = f"fake:{agent_name}:{id(self):x}".encode()
         self._peers: dict[str, bytes] = {}
         self._notifs: deque[tuple[str, bytes]] = deque()
+        self.watch: Watch | None = None
         if fabric is not None:
             fabric.agents[agent_name] = self
 
@@ -174,14 +293,27 @@ class FakeTransport:
 
     def _finish(self, xfer: FakeXfer, ok: bool) -> None:
         target = xfer.peer
-        if target is not None and (target.dead or target.closed):
-            ok = False
-        if ok:
+        gone = target is not None and (target.dead or target.closed)
+        ok = ok and not gone
+        lands = ok or (xfer.behavior.lands and not gone)
+        if lands:
+            written = target if target is not None else self
             for daddr, saddr, n in xfer.pairs:
+                if self.watch is not None:
+                    self.watch("read", saddr, n)
+                if written.watch is not None:
+                    written.watch("write", daddr, n)
                 ctypes.memmove(daddr, saddr, n)
             if target is not None and xfer.notif:
-                target._notifs.append((xfer.sender, xfer.notif))
+                target._notify(xfer.sender, xfer.notif)
         xfer.state = XferState.DONE if ok else XferState.ERR
+
+    def _notify(self, sender: str, notif: bytes) -> None:
+        plan = self.fabric.plan if self.fabric is not None else None
+        if plan is None:
+            self._notifs.append((sender, notif))
+        else:
+            plan.route(notif, self.agent_name, lambda: self._notifs.append((sender, notif)))
 
     def release(self, xfer: FakeXfer) -> None:
         """Like NIXL: releasing a transfer still in flight cancels it (nothing more lands)."""
@@ -208,6 +340,7 @@ class FakeControlHub:
         self.channels: dict[str, FakeControlChannel] = {}
         self.sent: list[tuple[str, bytes]] = []  # (to endpoint, message), for assertions
         self.drop: Callable[[str, bytes], bool] = lambda endpoint, message: False
+        self.plan: FaultPlan | None = None
 
     def channel(self, endpoint: str) -> FakeControlChannel:
         channel = FakeControlChannel(self, endpoint)
@@ -230,9 +363,17 @@ class FakeControlChannel:
         target = self.hub.channels.get(endpoint)
         if target is None or target.closed or self.hub.drop(endpoint, message):
             return True  # queued, as ZMQ would, and lost
-        target._inbox.append(message)
-        os.write(target._write, b"\0")
+        if self.hub.plan is None:
+            target._put(message)
+        else:
+            self.hub.plan.route(message, endpoint, lambda: target._put(message))
         return True
+
+    def _put(self, message: bytes) -> None:
+        if self.closed:
+            return  # a late delivery to a channel closed meanwhile is lost
+        self._inbox.append(message)
+        os.write(self._write, b"\0")
 
     def recv(self) -> list[bytes]:
         out = list(self._inbox)
