@@ -154,12 +154,11 @@ class World:
 
     def sent(self, kind: str) -> list[Any]:
         from kvcr.transport import messages
-        from kvcr.transport.auth import MAGIC, SEALED_OVERHEAD
+        from kvcr.transport.auth import unsealed
 
         out = []
         for _endpoint, raw in self.hub.sent:
-            body = raw[SEALED_OVERHEAD:] if raw[:4] == MAGIC else raw
-            message = messages.decode(body)
+            message = messages.decode(unsealed(raw))
             if kind == message.TYPE:
                 out.append(message)
         return out

@@ -21,6 +21,7 @@ from kvcr.transport.auth import (
     Rejected,
     cluster_key_from_env,
 )
+from kvcr.transport.fake import Fault, FaultPlan
 from peer_world import Worker, World, key, share
 
 KEY = b"k" * 32
@@ -201,3 +202,26 @@ async def test_a_replayed_pull_is_dropped_and_writes_nothing_twice(autojump_cloc
         assert dropped(a) == {"replayed": 1}
         assert len(a.transport.posted) == writes  # the deposit and the one write
         assert not a.kv._runtime.peers.source.jobs
+
+
+async def test_a_pull_duplicated_on_the_wire_is_served_once_and_the_copy_counted(
+    autojump_clock, monkeypatch
+):
+    world = World()
+    plan = FaultPlan()
+    world.fabric.plan = world.hub.plan = plan
+    a, b = Worker(world, "a"), Worker(world, "b")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(plan.run)
+        async with keyed(monkeypatch, a, KEY), keyed(monkeypatch, b, KEY):
+            await share(a, b, [0])
+            plan.add("pull", Fault("duplicate", 0.1))
+
+            entries = await b.deliver([(0, 10)])
+            await trio.sleep(0.5)
+
+            assert {e.status.value for e in entries.values()} == {"SUCCESS"}
+            assert plan.applied == [("pull", Fault("duplicate", 0.1))]
+            assert dropped(a) == {"replayed": 1}
+            assert [x.peer is not None for x in a.transport.posted] == [False, True]
+        nursery.cancel_scope.cancel()

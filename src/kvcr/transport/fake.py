@@ -30,6 +30,7 @@ import attrs
 import trio
 
 from kvcr.transport import messages
+from kvcr.transport.auth import unsealed
 from kvcr.transport.base import Segment, TransportError, XferState
 
 
@@ -110,7 +111,7 @@ class FaultPlan:
         if not self._rules:
             return None
         try:
-            kind = messages.decode(raw).TYPE
+            kind = messages.decode(unsealed(raw)).TYPE
         except messages.MessageError:
             return None
         for i, (wanted, fault) in enumerate(self._rules):
