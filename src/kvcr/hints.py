@@ -11,8 +11,9 @@ hashes (unsigned 64-bit ints) of the blocks worth pulling from it::
                   "payload": {"source_control_endpoint": "tcp://HOST:PORT",
                               "block_hashes": [<int in [0, 2**64)>, ...]}}]}
 
-Engines pass it through their request's ``kv_transfer_params``, so the same envelope is also
-accepted wrapped as ``{ROUTER_HINT_KEY: envelope}`` (other keys of the wrapper are ignored;
+Engines pass it along with the request (vLLM 0.33: the request's ``kv_hints``; others in
+``kv_transfer_params``), so the same envelope is also accepted wrapped as
+``{ROUTER_HINT_KEY: envelope}`` (other keys of the wrapper are ignored;
 error paths then start with ``kv_hint.``). ``parse_router_hint`` turns either shape into a
 frozen ``RouterHint`` or raises ``ValueError``; ``HintBook`` remembers the parsed hint of each
 request, bounded, and answers "does this request's hint cover this block hash?". Everything

@@ -20,7 +20,6 @@ DURATION_METRIC = "kvcr_duration_seconds"
 TRANSFER_BYTES_METRIC = "kvcr_transfer_bytes"
 TRANSFER_BLOCKS_METRIC = "kvcr_transfer_blocks"
 STATE_METRIC = "kvcr_state"
-DROPPED_METRIC = "kvcr_dropped_messages"  # counter, label (kind,): peer input turned away
 
 SCOPE_LOCAL_FILL = "local_fill"
 SCOPE_LOCAL_DELIVER = "local_deliver"
@@ -86,13 +85,6 @@ class Telemetry:
             if blocks:
                 stats.increase_counter(TRANSFER_BLOCKS_METRIC, blocks, (scope,))
                 stats.increase_counter(TRANSFER_BYTES_METRIC, nbytes, (scope,))
-
-    def dropped(self, kind: str) -> None:
-        """One peer message (or part of one) dropped; ``kind`` is a bounded category."""
-        if self._stats is None:
-            return
-        with self._lock:
-            self._stats.increase_counter(DROPPED_METRIC, 1, (kind,))
 
     def snapshot(self) -> TelemetryStats | None:
         """Set the state gauges on the current interval, return it, start a fresh one."""

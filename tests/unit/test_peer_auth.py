@@ -10,7 +10,7 @@ import trio
 
 from engine_sim import EngineSim, Recorder
 from kvcr import KVCR
-from kvcr.telemetry import DROPPED_METRIC
+from kvcr.telemetry import STATE_METRIC
 from kvcr.transport import messages as m
 from kvcr.transport.auth import (
     KEY_ENV,
@@ -25,6 +25,7 @@ from kvcr.transport.fake import Fault, FaultPlan
 from peer_world import Worker, World, key, share
 
 KEY = b"k" * 32
+CONTRACT_METRICS = {"kvcr_duration_seconds", "kvcr_transfer_bytes", "kvcr_transfer_blocks"}
 OTHER = b"o" * 32
 
 
@@ -183,7 +184,9 @@ async def test_an_unauthenticated_pull_is_dropped_and_counted(autojump_clock, mo
         assert mallory.recv() == []  # not even an Over: nothing to learn
         assert dropped(a) == {"unauthenticated": 3}
         stats = a.kv.get_stats()
-        assert stats.counters[(DROPPED_METRIC, ("unauthenticated",))] == 3
+        assert stats.gauges[(STATE_METRIC, ("peer_messages_unauthenticated",))] == 3
+        assert stats.gauges[(STATE_METRIC, ("peer_messages_dropped",))] == 3
+        assert {name for name, _ in stats.counters} <= CONTRACT_METRICS
         assert a.kv._runtime.index.get(key(0)).claims == 0
 
 

@@ -42,7 +42,7 @@ from kvcr.runtime.source import Source
 from kvcr.runtime.timer import sleeper
 from kvcr.runtime.transfers import Transfers
 from kvcr.transport import messages as m
-from kvcr.transport.auth import PeerAuth, Rejected
+from kvcr.transport.auth import UNAUTHENTICATED, PeerAuth, Rejected
 from kvcr.transport.base import TransportError
 from kvcr.types import (
     BlockKey,
@@ -153,6 +153,10 @@ class Peers:
             "pulls_in_flight": self.pulls_in_flight(),
             "source_jobs": len(source.jobs),
             "source_stalled": int(source.stalled),
+            # Gauges of the contract's kvcr_state, not metrics of their own: an engine's
+            # metrics object may know only the contract's four names.
+            "peer_messages_dropped": sum(self.dropped.values()),
+            "peer_messages_unauthenticated": sum(self.dropped[k] for k in UNAUTHENTICATED),
         }
 
     def my_endpoint(self) -> str:
@@ -170,7 +174,6 @@ class Peers:
     def drop(self, kind: str, detail: str) -> None:
         """Bad input from a peer: counted, one log event per kind, never a crash."""
         self.dropped[kind] += 1
-        self.telemetry.dropped(kind)
         if self.dropped[kind] == 1:
             self.log.warning("peer_message_dropped", kind=kind, detail=detail[:200])
 

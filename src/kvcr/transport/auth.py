@@ -40,6 +40,9 @@ WINDOW = 1024
 MAX_SENDERS = 4096  # incarnations remembered; only key holders can add one
 
 
+UNAUTHENTICATED = ("unauthenticated", "replayed", "sealed_without_key")  # Rejected.reason
+
+
 class Rejected(ValueError):
     """A message that fails authentication; ``reason`` is a bounded category."""
 
