@@ -102,6 +102,39 @@ def test_a_slot_is_trusted_only_with_its_key_and_generation(tmp_path) -> None:
         g3.close()
 
 
+def test_check_written_trusts_only_the_records_this_process_wrote_or_verified(tmp_path) -> None:
+    g3 = files(tmp_path)
+    try:
+        g3.write_records({s: Record(10 + s, key_digest(b"k%d" % s)) for s in range(6)})
+        assert g3.check_written(list(range(8))) == set(range(6))  # 6, 7: never written
+        g3.clear_record(2)
+        assert g3.check_written(list(range(6))) == {0, 1, 3, 4, 5}
+        # A record someone else wrote is not ours, even if it decodes.
+        os.pwrite(g3.files[1].fd, encode_record(Record(99, key_digest(b"x"))), 64 * (1 + 3 // 2))
+        assert g3.check_written([3]) == set()
+    finally:
+        g3.close()
+    again = files(tmp_path)
+    try:
+        assert again.check_written([0, 1]) == set()  # nothing verified yet in this process
+        assert again.check_many({0: (b"k0", 10), 1: (b"k1", 99)}) == {0}
+        assert again.check_written([0, 1]) == {0}
+    finally:
+        again.close()
+
+
+@pytest.mark.parametrize("damage", KINDS)
+def test_a_damaged_file_never_yields_a_hit_to_check_written(tmp_path, damage) -> None:
+    g3 = files(tmp_path, n=1)
+    try:
+        g3.write_records({0: Record(1, key_digest(b"key")), 1: Record(2, key_digest(b"k2"))})
+        assert g3.check_written([0, 1]) == {0, 1}
+        damage_file(g3.files[0].path, damage)
+        assert g3.check_written([0, 1]) == set()
+    finally:
+        g3.close()
+
+
 @pytest.mark.parametrize("damage", KINDS)
 def test_a_damaged_file_never_yields_a_hit(tmp_path, damage) -> None:
     g3 = files(tmp_path, n=1)

@@ -50,7 +50,6 @@ class G3Tier:
         self._telemetry = telemetry
         self.journal = journal  # the recovery journal's mirror (guard groups), or None
         self.log = log
-        self._generations: dict[int, int] = {}  # slot -> generation of its record
         # Generations only grow, across restarts too: a record written by an earlier
         # process can never match what this one expects.
         self._next_generation = time.time_ns()
@@ -108,7 +107,6 @@ class G3Tier:
             slot = block.slots[0]
             if slot in records and self.index.holds(block):
                 generation = records[slot].generation
-                self._generations[slot] = generation
                 self.index.commit(block, self._score(block))
                 self.view[block.key] = FETCHABLE_G3
                 stored.add(block.key)
@@ -137,7 +135,6 @@ class G3Tier:
 
     def _forget(self, block: Block) -> None:
         self.view.pop(block.key, None)
-        self._generations.pop(block.slots[0], None)
         self.index.remove(block)
         if self.journal is not None:
             self.journal.g3_removed(block.key)
@@ -157,7 +154,6 @@ class G3Tier:
         self.index.restore(entries)
         for slot in sound:
             key, generation = candidates[slot]
-            self._generations[slot] = generation
             self.view[key] = FETCHABLE_G3
             self._next_generation = max(self._next_generation, generation + 1)
             block = self.index.get(key)
@@ -186,15 +182,15 @@ class G3Tier:
 
     def verified_many(self, keys: Sequence[BlockKey]) -> dict[BlockKey, Block]:
         """The READY blocks of ``keys`` that their files and records still vouch for (one
-        file check per file, one record read per run of slots); blocks they no longer vouch
-        for are forgotten and reported removed."""
+        file check per file, one record read and comparison per run of slots: the records
+        must be byte for byte those this tier wrote or verified for them); blocks they no
+        longer vouch for are forgotten and reported removed."""
         blocks = {}
         for key in keys:
             block = self.index.get(key)
             if block is not None and block.state is BlockState.READY:
                 blocks[block.slots[0]] = block
-        expected = {s: (b.key, self._generations.get(s, -1)) for s, b in blocks.items()}
-        sound = self.files.check_many(expected)
+        sound = self.files.check_written(list(blocks))
         lost = [b for s, b in blocks.items() if s not in sound]
         if lost:
             self.log.warning("g3_record_invalid", blocks=len(lost), reason="file or record changed")
