@@ -300,6 +300,37 @@ async def test_a_late_message_of_a_replaced_incarnation_is_stale(autojump_clock)
             assert len(world.sent("hello")) == 2  # no third greeting: no switch happened
 
 
+async def test_a_pull_waiting_for_a_greeting_goes_ahead_when_yet_another_process_answers(
+    autojump_clock,
+):
+    # Found by the soak (tests/soak.py): a worker is killed mid-pull, the guard answers the
+    # destination's probe (so the link knows the guard's incarnation but is not set up), a
+    # replacement claims the group, and the destination's next pull greets the endpoint:
+    # the replacement's answer is a third incarnation. The pull waiting for the greeting
+    # must go ahead, not sit until its deadline.
+    world = World()
+    b = Worker(world, "b")
+    async with b.running():
+        first = Worker(world, "a")
+        async with first.running():
+            b.kv.submit_hint(b.hint(first, [0]), request_id="r")
+            await trio.sleep(0.01)
+        # Nobody answers at the endpoint: the pull fails at its deadline and is probed.
+        assert statuses(await b.deliver([(0, 10)])) == {key(0): "FAILED"}
+        second = Worker(world, "a")
+        async with second.running():
+            await trio.sleep(5)  # b probes again at its abandon deadline: second answers
+            assert world.sent("probe_ack")
+        third = Worker(world, "a")
+        async with third.running():
+            third.engine.write(0, seed=5)
+            await third.deposit([(0, 0)])
+            b.kv.submit_hint(b.hint(third, [0]), request_id="r2")
+            entries = await b.deliver([(0, 11)], request_id="r2")
+            assert statuses(entries) == {key(0): "SUCCESS"}
+            assert b.engine.checksum(11) == third.engine.checksum(0)
+
+
 async def test_a_failed_remote_operation_marks_the_hint_failed(autojump_clock):
     world = World()
     a, b = Worker(world, "a"), Worker(world, "b")
