@@ -331,6 +331,31 @@ async def test_a_pull_waiting_for_a_greeting_goes_ahead_when_yet_another_process
             assert b.engine.checksum(11) == third.engine.checksum(0)
 
 
+async def test_a_fetch_does_not_evict_its_own_local_keys_to_make_room_for_its_remote_ones(
+    autojump_clock,
+):
+    # Found by the soak: with the pool full, a fetch of [a resident key, a key from the
+    # hinted peer] made room for the peer's key by evicting the least recently used block,
+    # which could be the resident key that the same fetch was about to claim (whichever
+    # part trio happened to run first).
+    world = World()
+    a, b = Worker(world, "a"), Worker(world, "b")  # b's pool has 8 slots
+    async with a.running(), b.running():
+        b.kv.submit_hint(b.hint(a, list(range(1000, 1010))), request_id="r")
+        for trial in range(10):
+            fresh = [100 * trial + i for i in range(8)]
+            for i, k in enumerate(fresh):
+                b.engine.write(i, seed=k)
+            assert set((await b.deposit(list(zip(fresh, range(8))))).values()) == {"SUCCESS"}
+            a.engine.write(0, seed=1000 + trial)
+            await a.deposit([(1000 + trial, 0)])
+            # fresh[0] is the least recently used block of the full pool.
+            handle = b.kv.fetch([key(fresh[0]), key(1000 + trial)], request_id="r")
+            entries = await b.engine.await_op(b.kv, handle, 2)
+            assert statuses(entries) == {key(fresh[0]): "SUCCESS", key(1000 + trial): "SUCCESS"}
+            b.kv.release([e.release_handle for e in entries.values()])
+
+
 async def test_a_failed_remote_operation_marks_the_hint_failed(autojump_clock):
     world = World()
     a, b = Worker(world, "a"), Worker(world, "b")
