@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import trio
 
+from kvcr.logs import capture_events
 from kvcr.transport import messages as m
 from kvcr.types import CacheTier, QueryStatus
 from peer_world import Worker, World, key, share
@@ -74,10 +75,14 @@ async def test_a_partial_answer_delivers_what_the_source_had(autojump_clock):
         await a.deposit([(0, 0)])
         b.kv.submit_hint(b.hint(a, [0, 1]), request_id="r")
 
-        entries = await b.deliver([(0, 10), (1, 11)])
+        with capture_events() as events:
+            entries = await b.deliver([(0, 10), (1, 11)])
 
         assert statuses(entries) == {key(0): "SUCCESS", key(1): "FAILED"}
         assert b.engine.checksum(10) == a.engine.checksum(0)
+        # The log says why one key failed (it used to say "closed").
+        [failed] = [e for e in events if e["event"] == "op_failed"]
+        assert failed["reason"] == "deliver: the source lacked 1 of the keys"
 
 
 async def test_eager_setup_greets_the_source_at_submit_hint(autojump_clock):
