@@ -13,7 +13,7 @@ import os
 import nox
 
 nox.options.default_venv_backend = "uv"
-nox.options.sessions = ["lint", "unit", "integration"]
+nox.options.sessions = ["lint", "unit", "integration"]  # not bench, not soak
 
 # Defaults for NIXL/UCX: loopback only, fast first agent start, no INFO chatter on stdout.
 NIXL_ENV = {
@@ -67,3 +67,10 @@ def bench(session: nox.Session) -> None:
     install(session)
     args = session.posargs or ["--quick"]
     session.run("python", "benchmarks/local.py", *args, env=NIXL_ENV)
+
+
+@nox.session
+def soak(session: nox.Session) -> None:
+    """The long soak, ``tests/soak.py`` (``-- --minutes N --seed S``; 10 minutes, seed 1)."""
+    install(session)
+    session.run("python", "tests/soak.py", *session.posargs, env=NIXL_ENV)

@@ -4,6 +4,7 @@ service (``python -m kvcr.kvcr_service``), each started for real and stopped or 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import socket
@@ -65,17 +66,21 @@ class SourceWorker:
         port: int | None = None,
         guard: tuple[str, int, str] | None = None,
         env: dict[str, str] | None = None,
+        log: Path | None = None,
     ) -> None:
+        """``log``: a file for the child's stderr (appended to), else it inherits ours."""
         ours, theirs = socket.socketpair()
         self.port = port or free_port()
         extra = [str(x) for x in guard] if guard else []
-        self.proc = subprocess.Popen(
-            [sys.executable, str(WORKER), str(theirs.fileno()), name, str(self.port)]
-            + [str(x) for x in sizes]
-            + extra,
-            pass_fds=[theirs.fileno()],
-            env={**os.environ, **(env or {})},
-        )
+        with open(log, "ab") if log else contextlib.nullcontext() as stderr:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(WORKER), str(theirs.fileno()), name, str(self.port)]
+                + [str(x) for x in sizes]
+                + extra,
+                pass_fds=[theirs.fileno()],
+                env={**os.environ, **(env or {})},
+                stderr=stderr,
+            )
         _children.append(self.proc)
         theirs.close()
         self.conn = Connection(os.dup(ours.fileno()))

@@ -6,25 +6,34 @@ DIGEST]``; with the last three, the worker runs over a guard service's pool grou
 sends pickled ``(command, *args)`` tuples and gets one reply each (an exception comes back
 as ``("error", text)``). The worker's engine serves pins from its own region
 (``engine_has``) and can hold pin answers back, like a busy engine.
+
+The ``soak_*`` commands serve ``soak.py``: content is derived from the key (``write(element,
+seed=key)``), so the parent checks every delivered block against a checksum it computes
+itself; release handles stay here; ``audit`` reports the instance's accounting and the
+process's resources.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import time
 import traceback
+import zlib
 from multiprocessing.connection import Connection
+from typing import Any
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("UCX_MEM_EVENTS", "no")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 sys.path.insert(0, os.path.dirname(__file__))
 
-from engine_sim import EngineSim, Recorder
+from engine_sim import EngineSim, Recorder, router_hint
 from kvcr import KVCR
 from kvcr.config import KVCRBackendConfigs, KVCRGuardConfig
 from kvcr.control_channels import ZmqPeerControlChannel
+from kvcr.types import CacheTier
 from peer_world import EnginePins, IntKeys, key
 
 
@@ -90,7 +99,18 @@ def main() -> None:
             "cancelled": list(pins.cancelled),
         }
 
+    soak = Soak(kv, engine, pins, recorder)
     commands = {
+        "soak_deposit": soak.deposit,
+        "soak_deliver": soak.deliver,
+        "soak_deliver_start": soak.deliver_start,
+        "soak_deliver_finish": soak.deliver_finish,
+        "soak_fetch": soak.fetch,
+        "soak_release": soak.release,
+        "soak_engine_hold": soak.engine_hold,
+        "soak_resident": soak.resident,
+        "soak_quiet": soak.quiet,
+        "soak_audit": soak.audit,
         "endpoint": lambda: channel.endpoint,
         "deposit": deposit,
         "deposit_nowait": deposit_nowait,
@@ -105,7 +125,7 @@ def main() -> None:
     try:
         while True:
             if not conn.poll(0.05):
-                kv.poll_completed()
+                soak.absorb()
                 continue
             command, *args = conn.recv()
             if command == "stop":
@@ -119,6 +139,228 @@ def main() -> None:
                 conn.send(("error", traceback.format_exc()))
     finally:
         time.sleep(0)
+
+
+# Engine region layout for the soak: deposits are staged in elements [0, 16), blocks the
+# engine itself holds (served to peers through pins) live in [16, 32), deliveries land in
+# [32, 64).
+STAGE, HELD, LAND = 0, 16, 32
+
+
+def rss_kib() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+class Soak:
+    """The soak's commands (see soak.py). Content is ``write(element, seed=key)`` everywhere,
+    so every copy of key k has the same checksum, which the parent computes on its own."""
+
+    def __init__(self, kv: KVCR, engine: EngineSim, pins: EnginePins, recorder: Recorder) -> None:
+        self.kv = kv
+        self.engine = engine
+        self.pins = pins
+        self.recorder = recorder
+        self.held: dict[int, int] = {}  # release handle -> key (fetch and no_evict deposits)
+        self.later: set[int] = set()  # ops whose results the idle loop must keep
+        self.inventory: set[int] = set()  # LOCAL_G2 keys, replayed from inventory events
+        self.requests = 0
+
+    def absorb(self) -> None:
+        """Drain completions while idle, keeping only those somebody will ask for."""
+        for handle, entries in self.kv.poll_completed():
+            if handle in self.later:
+                self.engine.completed.setdefault(handle, {}).update(entries)
+
+    def deposit(self, keys: list[int], no_evict: bool) -> dict[int, str]:
+        for i, k in enumerate(keys):
+            self.engine.write(STAGE + i, seed=k)
+        handle = self.kv.deposit(
+            {key(k): self.engine.refs(STAGE + i) for i, k in enumerate(keys)}, no_evict=no_evict
+        )
+        entries = self.engine.wait(self.kv, handle, len(keys))
+        for k in keys:
+            if entries[key(k)].release_handle is not None:
+                self.held[entries[key(k)].release_handle] = k
+        return {k: entries[key(k)].status.value for k in keys}
+
+    def _hint(self, keys: list[int], endpoint: str | None) -> str | None:
+        if endpoint is None:
+            return None
+        self.requests += 1
+        request = f"soak-{self.requests}"
+        self.kv.submit_hint(router_hint(endpoint, keys), request)
+        return request
+
+    def deliver_start(self, keys: list[int], endpoint: str | None) -> tuple[int, str | None]:
+        for i in range(len(keys)):
+            self.engine.clear(LAND + i)  # a block that is not written cannot pass as delivered
+        request = self._hint(keys, endpoint)
+        handle = self.kv.deliver(
+            {key(k): self.engine.refs(LAND + i) for i, k in enumerate(keys)}, request
+        )
+        self.later.add(handle)
+        return handle, request
+
+    def deliver_finish(
+        self, handle: int, request: str | None, keys: list[int], timeout: float = 20
+    ) -> dict[str, Any]:
+        started = time.monotonic()
+        try:
+            entries = self.engine.wait(self.kv, handle, len(keys), timeout)
+        finally:
+            self.later.discard(handle)
+        elapsed = time.monotonic() - started
+        # After a failed remote operation the request's hint says MISS for what it covered.
+        after = [s.name for s, _ in self.kv.query([key(k) for k in keys], request)]
+        if request is not None:
+            self.kv.discard_hint(request)
+        return {
+            "entries": {
+                k: (
+                    entries[key(k)].status.value,
+                    self.engine.checksum(LAND + i)[0] if entries[key(k)].success else None,
+                )
+                for i, k in enumerate(keys)
+            },
+            "seconds": elapsed,
+            "query_after": after,
+        }
+
+    def deliver(self, keys: list[int], endpoint: str | None) -> dict[str, Any]:
+        started = time.monotonic()
+        handle, request = self.deliver_start(keys, endpoint)
+        result = self.deliver_finish(handle, request, keys)
+        result["seconds"] = time.monotonic() - started
+        return result
+
+    def fetch(self, keys: list[int], endpoint: str) -> dict[int, tuple[str, int | None]]:
+        """Fetch into local G2; a success is checked where its descriptor points (the pool
+        slot) and its release handle is kept here."""
+        request = self._hint(keys, endpoint)
+        handle = self.kv.fetch([key(k) for k in keys], request)
+        entries = self.engine.wait(self.kv, handle, len(keys))
+        self.kv.discard_hint(request)
+        (_, base, _), (_, block) = (
+            self.kv._backend_configs.local_dram.pools[0],
+            self.kv.config.pool_layouts[0],
+        )
+        out: dict[int, tuple[str, int | None]] = {}
+        for k in keys:
+            entry = entries[key(k)]
+            checksum = None
+            if entry.success:
+                assert entry.descriptors is not None and entry.release_handle is not None
+                slot = entry.descriptors[0].element_index
+                checksum = zlib.crc32(ctypes.string_at(base + slot * block, block))
+                self.held[entry.release_handle] = k
+            out[k] = (entry.status.value, checksum)
+        return out
+
+    def release(self, count: int) -> dict[str, Any]:
+        """Release ``count`` held handles (oldest first) and one handle nobody holds."""
+        handles = list(self.held)[:count]
+        unknown = max(self.held, default=0) + 10**9
+        results = self.kv.release([*handles, unknown])
+        for handle in handles:
+            del self.held[handle]
+        return {"released": [ok for _, ok in results[:-1]], "unknown": results[-1][1]}
+
+    def engine_hold(self, keys: list[int]) -> None:
+        """The engine now holds exactly ``keys`` (in its own memory, pinned on request)."""
+        self.pins.engine_has.clear()
+        for i, k in enumerate(keys):
+            self.engine.write(HELD + i, seed=k)
+            self.pins.engine_has[key(k)] = HELD + i
+
+    def resident(self) -> list[int]:
+        return sorted(int.from_bytes(k, "big") for k in list(self.kv._runtime.index.blocks))
+
+    def _busy(self) -> dict[str, int]:
+        """What is still in flight in the instance (all zero once quiet)."""
+        rt = self.kv._runtime
+        peers, transfers = rt.peers, rt.transfers
+        assert peers is not None and transfers is not None
+        return {
+            "ops": len(rt.ops),
+            "open_ops": len(self.kv._open_ops),
+            "transfers": transfers.in_flight,
+            "pulls": peers.pulls_in_flight(),
+            "source_jobs": len(peers.source.jobs),
+            "pins_outstanding": peers.pins.outstanding,
+            "pins_abandoned": len(peers.pins._abandoned),
+            "engine_pins": len(self.pins.pinned),
+            "outbox": len(rt.outbox.results) + len(rt.outbox.events),
+        }
+
+    def quiet(self, timeout: float) -> float:
+        """Wait until nothing is in flight (polling like an engine); the seconds it took.
+
+        First a fence: an empty deliver, answered only after every command queued before
+        it (a release, say) was dispatched, since the runtime takes commands in order."""
+        started = time.monotonic()
+        fence = self.kv.deliver({})
+        self.later.add(fence)
+        while fence not in self.engine.completed:
+            if time.monotonic() - started > timeout:
+                raise TimeoutError(f"the runtime did not take a command within {timeout} s")
+            self.absorb()
+            time.sleep(0.001)
+        self.later.discard(fence)
+        del self.engine.completed[fence]
+        while True:
+            self.absorb()
+            busy = self._busy()
+            if not any(busy.values()):
+                return time.monotonic() - started
+            if time.monotonic() - started > timeout:
+                raise TimeoutError(f"not quiet after {timeout} s: {busy}")
+            time.sleep(0.005)
+
+    def audit(self) -> dict[str, Any]:
+        """The instance's accounting and this process's resources; call once quiet."""
+        rt = self.kv._runtime
+        local, peers = rt.local, rt.peers
+        assert local is not None and peers is not None
+        for event in self.recorder.inventory:
+            if event.tier is CacheTier.LOCAL_G2:
+                keys = {int.from_bytes(k, "big") for k in event.keys}
+                self.inventory = self.inventory - keys if event.removed else self.inventory | keys
+        self.recorder.inventory.clear()
+        events: dict[int, list[str]] = {}
+        for error in self.recorder.resilience:
+            events.setdefault(error.op_handle, []).append(error.state)
+        self.recorder.resilience.clear()
+        # The harness's own pin bookkeeping would grow with every pull: keep what is live.
+        for request in [r for r in self.pins.requests if r in self.pins.answered]:
+            del self.pins.requests[request]
+            self.pins.answered.discard(request)
+        self.pins.released.clear()
+        held_keys = sorted(self.held.values())
+        return {
+            "busy": self._busy(),
+            "index": rt.index.audit(),
+            "capacity": rt.index.pools[0].capacity,
+            "resident": self.resident(),
+            "inventory": sorted(self.inventory),
+            "held": held_keys,
+            "handles_runtime": sorted(int.from_bytes(k, "big") for k in local.handles.values()),
+            "handles_live": len(self.kv._live_handles),
+            "claims": {
+                int.from_bytes(k, "big"): b.claims
+                for k, b in list(rt.index.blocks.items())
+                if b.claims
+            },
+            "resilience": events,
+            "links": len(peers.links),
+            "dropped": dict(peers.dropped),
+            "fds": len(os.listdir("/proc/self/fd")),
+            "threads": len(os.listdir("/proc/self/task")),
+            "rss_kib": rss_kib(),
+        }
 
 
 if __name__ == "__main__":

@@ -125,3 +125,26 @@ def test_a_batch_gets_ascending_slots_so_nixl_can_merge_adjacent_descriptors() -
     batch = index.add_filling_batch([b"x", b"y", b"z"], now=0.0)
 
     assert [b.slots for b in batch] == [(1, 1), (2, 2), (4, 4)]
+
+
+def test_audit_accounts_for_every_slot() -> None:
+    index = make_index(slots=4, pools=2)
+    a = ready(index, b"a", 1.0)
+    index.add_filling(b"b", now=0.0)
+    a.claims = 1
+    assert index.audit() == {
+        "blocks": 2,
+        "filling": 1,
+        "claims": 1,
+        "free": 2,
+        "quarantined": 0,
+        "double": 0,
+        "view_mismatch": 0,
+        "heap": 1,
+    }
+    index.detach(a)  # withdrawn: its slots are nobody's until released
+    assert index.audit()["quarantined"] == 2  # one per pool
+    index.release_slots(a)
+    assert index.audit()["quarantined"] == 0
+    index.pools[0].release(0)  # a slot handed back twice
+    assert index.audit()["double"] == 1

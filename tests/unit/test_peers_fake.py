@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import trio
 
+from kvcr.logs import capture_events
 from kvcr.transport import messages as m
 from kvcr.types import CacheTier, QueryStatus
 from peer_world import Worker, World, key, share
@@ -74,10 +75,14 @@ async def test_a_partial_answer_delivers_what_the_source_had(autojump_clock):
         await a.deposit([(0, 0)])
         b.kv.submit_hint(b.hint(a, [0, 1]), request_id="r")
 
-        entries = await b.deliver([(0, 10), (1, 11)])
+        with capture_events() as events:
+            entries = await b.deliver([(0, 10), (1, 11)])
 
         assert statuses(entries) == {key(0): "SUCCESS", key(1): "FAILED"}
         assert b.engine.checksum(10) == a.engine.checksum(0)
+        # The log says why one key failed (it used to say "closed").
+        [failed] = [e for e in events if e["event"] == "op_failed"]
+        assert failed["reason"] == "deliver: the source lacked 1 of the keys"
 
 
 async def test_eager_setup_greets_the_source_at_submit_hint(autojump_clock):
@@ -298,6 +303,62 @@ async def test_a_late_message_of_a_replaced_incarnation_is_stale(autojump_clock)
             b.kv.submit_hint(b.hint(second, [0]), request_id="r2")
             assert statuses(await b.deliver([(0, 11)], request_id="r2")) == {key(0): "SUCCESS"}
             assert len(world.sent("hello")) == 2  # no third greeting: no switch happened
+
+
+async def test_a_pull_waiting_for_a_greeting_goes_ahead_when_yet_another_process_answers(
+    autojump_clock,
+):
+    # Found by the soak (tests/soak.py): a worker is killed mid-pull, the guard answers the
+    # destination's probe (so the link knows the guard's incarnation but is not set up), a
+    # replacement claims the group, and the destination's next pull greets the endpoint:
+    # the replacement's answer is a third incarnation. The pull waiting for the greeting
+    # must go ahead, not sit until its deadline.
+    world = World()
+    b = Worker(world, "b")
+    async with b.running():
+        first = Worker(world, "a")
+        async with first.running():
+            b.kv.submit_hint(b.hint(first, [0]), request_id="r")
+            await trio.sleep(0.01)
+        # Nobody answers at the endpoint: the pull fails at its deadline and is probed.
+        assert statuses(await b.deliver([(0, 10)])) == {key(0): "FAILED"}
+        second = Worker(world, "a")
+        async with second.running():
+            await trio.sleep(5)  # b probes again at its abandon deadline: second answers
+            assert world.sent("probe_ack")
+        third = Worker(world, "a")
+        async with third.running():
+            third.engine.write(0, seed=5)
+            await third.deposit([(0, 0)])
+            b.kv.submit_hint(b.hint(third, [0]), request_id="r2")
+            entries = await b.deliver([(0, 11)], request_id="r2")
+            assert statuses(entries) == {key(0): "SUCCESS"}
+            assert b.engine.checksum(11) == third.engine.checksum(0)
+
+
+async def test_a_fetch_does_not_evict_its_own_local_keys_to_make_room_for_its_remote_ones(
+    autojump_clock,
+):
+    # Found by the soak: with the pool full, a fetch of [a resident key, a key from the
+    # hinted peer] made room for the peer's key by evicting the least recently used block,
+    # which could be the resident key that the same fetch was about to claim (whichever
+    # part trio happened to run first).
+    world = World()
+    a, b = Worker(world, "a"), Worker(world, "b")  # b's pool has 8 slots
+    async with a.running(), b.running():
+        b.kv.submit_hint(b.hint(a, list(range(1000, 1010))), request_id="r")
+        for trial in range(10):
+            fresh = [100 * trial + i for i in range(8)]
+            for i, k in enumerate(fresh):
+                b.engine.write(i, seed=k)
+            assert set((await b.deposit(list(zip(fresh, range(8))))).values()) == {"SUCCESS"}
+            a.engine.write(0, seed=1000 + trial)
+            await a.deposit([(1000 + trial, 0)])
+            # fresh[0] is the least recently used block of the full pool.
+            handle = b.kv.fetch([key(fresh[0]), key(1000 + trial)], request_id="r")
+            entries = await b.engine.await_op(b.kv, handle, 2)
+            assert statuses(entries) == {key(fresh[0]): "SUCCESS", key(1000 + trial): "SUCCESS"}
+            b.kv.release([e.release_handle for e in entries.values()])
 
 
 async def test_a_failed_remote_operation_marks_the_hint_failed(autojump_clock):

@@ -248,6 +248,40 @@ class BlockIndex:
                 if self.holds(block):
                     self.rescore(block, score(block))
 
+    def audit(self) -> dict[str, int]:
+        """Where every slot is, for soak and debugging checks (never on a hot path).
+
+        ``quarantined`` slots belong to no record and are not free: legitimate while a
+        transfer may still write them (a withdrawn fill), a leak once nothing is in flight.
+        ``double`` counts slots handed out twice (free and in a record, in two records, or
+        free twice): always a bug. ``view_mismatch`` counts keys whose published query
+        answer disagrees with their record."""
+        double = quarantined = 0
+        for p, pool in enumerate(self.pools):
+            seen = [0] * pool.capacity
+            for slot in pool._free:
+                seen[slot] += 1
+            for block in self.blocks.values():
+                seen[block.slots[p]] += 1
+            double += sum(1 for n in seen if n > 1)
+            quarantined += sum(1 for n in seen if n == 0)
+        wanted = {
+            k: HIT if b.state is BlockState.READY else FETCHING for k, b in self.blocks.items()
+        }
+        mismatch = sum(
+            1 for k in wanted.keys() | self.view.keys() if wanted.get(k) != self.view.get(k)
+        )
+        return {
+            "blocks": len(self.blocks),
+            "filling": sum(1 for b in self.blocks.values() if b.state is BlockState.FILLING),
+            "claims": sum(b.claims for b in self.blocks.values()),
+            "free": min((p.free for p in self.pools), default=0),
+            "quarantined": quarantined,
+            "double": double,
+            "view_mismatch": mismatch,
+            "heap": len(self._heap),
+        }
+
     def _compact(self) -> None:
         live = [
             entry

@@ -505,8 +505,23 @@ class LocalG2:
 
     # -- fetch -----------------------------------------------------------------------------
 
+    def fetch_ready(self, op: Operation, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        """Claim and answer the keys that are ready now; the keys still being filled are
+        returned for :meth:`fetch`. Synchronous on purpose: the runtime calls it before the
+        rest of the operation (a peer or G3 part that makes room) can evict these blocks."""
+        filling = [
+            k
+            for k in keys
+            if (b := self.index.get(k)) is not None and b.state is BlockState.FILLING
+        ]
+        self._claim_fetched(op, [k for k in keys if k not in filling] if filling else keys)
+        return filling
+
     async def fetch(self, op: Operation, keys: Sequence[BlockKey]) -> None:
         await self.wait_fills(keys)
+        self._claim_fetched(op, keys)
+
+    def _claim_fetched(self, op: Operation, keys: Sequence[BlockKey]) -> None:
         now = trio.current_time()
         answers: dict[BlockKey, OpEntryResult] = {}
         for key in keys:

@@ -88,6 +88,8 @@ class Outbox:
             self._open_ops.pop(op.handle, None)
 
     def fail_pending(self, op: Operation, reason: str) -> None:
+        if not op.pending:  # all answered: ``reason`` (say "closed") would be a false one
+            return
         op.failure = op.failure or reason
         self.answer(op, dict.fromkeys(list(op.pending), FAILED))
 

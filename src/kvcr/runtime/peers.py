@@ -341,7 +341,10 @@ class Peers:
             for pull in list(link.pulls.values()):
                 pull.restarted = True
                 self._finish_pull(pull, [], "the source restarted", over=True)
-            link.ready = trio.Event()
+            # Set up again. An event not set yet is kept: pulls may be waiting on it, and
+            # the greeting under way will set it (a fresh one would strand them).
+            if link.ready.is_set():
+                link.ready = trio.Event()
             link.agent = None
         link.incarnation = incarnation
         return False

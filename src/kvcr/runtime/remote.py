@@ -103,7 +103,15 @@ class Remote:
         written = {keys[i] for i in pull.written} if pull is not None else set()
         answers = {k: SUCCESS if k in written else FAILED for k in keys if k in pending}
         op.moved_remote += sum(1 for a in answers.values() if a.success)
+        self._partial(op, answers)
         self.outbox.answer(op, answers)
+
+    @staticmethod
+    def _partial(op: Operation, answers: Mapping[BlockKey, OpEntryResult]) -> None:
+        """Name a partial answer as the operation's failure (for its op_failed log)."""
+        missing = sum(1 for a in answers.values() if not a.success)
+        if missing:
+            op.failure = op.failure or f"{op.kind}: the source lacked {missing} of the keys"
 
     async def fetch(self, op: Operation, keys: Sequence[BlockKey], endpoint: str) -> None:
         local = self.local
@@ -166,4 +174,5 @@ class Remote:
         written = {keys[i] for i in pull.written}
         answers = local.commit_fetched(op, blocks, written, CacheTier.REMOTE_G2)
         op.moved_remote += sum(1 for a in answers.values() if a.success)
+        self._partial(op, answers)
         self.outbox.answer(op, answers)

@@ -413,8 +413,10 @@ class Runtime:
         if resident and self.local is not None:
             if op.kind == "deliver":
                 parts.append(self.local.deliver(op, destinations, resident))
-            else:
-                parts.append(self.local.fetch(op, resident))
+            elif filling := self.local.fetch_ready(op, resident):
+                # The ready keys are claimed already: making room for the other parts
+                # cannot evict them.
+                parts.append(self.local.fetch(op, filling))
         elif resident:
             self.outbox.answer(op, dict.fromkeys(resident, FAILED))
         if g3_keys:
