@@ -110,7 +110,7 @@ class Ledger:
             if not lent[index]:
                 self.violations.append(f"{access} of engine element {index}: not lent")
             return
-        free = self.runtime.index.pools[0].free_slots()
+        free = frozenset(self.runtime.index.pools[0]._free)
         owner = next((b for b in self.runtime.index.blocks.values() if b.slots[0] == index), None)
         if index in free:
             self.violations.append(f"{access} of free G2 slot {index}")
@@ -493,7 +493,7 @@ def finish_stuck(scene: Scene) -> Callable[[], None]:
                 continue
             assert ledger.answered()
             assert any(op.uncertain and not op.quiesced for op in ledger.ops.values())
-            assert ledger.runtime.index.audit()[1] or any(
+            assert ledger.runtime.index.audit()["quarantined"] or any(
                 b.claims for b in ledger.runtime.index.blocks.values()
             ), "memory under a live transfer must stay held"
             for xfer in stuck:

@@ -55,18 +55,6 @@ class SlotPool:
     def release(self, slot: int) -> None:
         self._free.append(slot)
 
-    def free_slots(self) -> frozenset[int]:
-        return frozenset(self._free)
-
-    def audit(self) -> list[str]:
-        """What is wrong with the free list (a slot freed twice, or one that never existed)."""
-        problems = []
-        if len(set(self._free)) != len(self._free):
-            problems.append(f"pool {self.name!r}: a slot is on the free list twice")
-        if any(not 0 <= s < self.capacity for s in self._free):
-            problems.append(f"pool {self.name!r}: a free slot is out of range")
-        return problems
-
     def take_these(self, slots: Iterable[int]) -> None:
         """Take specific free slots (recovered blocks occupy the slots they had)."""
         taken = set(slots)
@@ -180,22 +168,6 @@ class BlockIndex:
         block.version += 1
         if block.state is BlockState.READY and self.journal is not None:
             self.journal.removed(block.key)
-
-    def audit(self) -> tuple[list[str], int]:
-        """Slot accounting, for tests: the problems found (a slot freed twice, free while a
-        record owns it, owned by two records), and how many keys' slots are taken with no
-        record (quarantined while a transfer may still write them; 0 once quiet)."""
-        problems = [p for pool in self.pools for p in pool.audit()]
-        for index, pool in enumerate(self.pools):
-            owned = [b.slots[index] for b in self.blocks.values()]
-            if len(set(owned)) != len(owned):
-                problems.append(f"pool {pool.name!r}: two records own one slot")
-            if not pool.free_slots().isdisjoint(owned):
-                problems.append(f"pool {pool.name!r}: a record's slot is on the free list")
-        held = {pool.used - len(self.blocks) for pool in self.pools}
-        if len(held) > 1:
-            problems.append(f"pools disagree on how many slots are quarantined: {sorted(held)}")
-        return problems, max(held, default=0)
 
     def holds(self, block: Block) -> bool:
         return self.blocks.get(block.key) is block

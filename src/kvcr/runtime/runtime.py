@@ -525,9 +525,16 @@ class Runtime:
         """Memory held that nobody owns, once the runtime is quiet (no transfer, pull or
         source write in flight): slots outside the index, claims without a release handle,
         pins not handed back. Internal: for tests and debugging; empty means clean."""
-        problems, quarantined = self.index.audit()
-        if quarantined:
-            problems.append(f"{quarantined} keys' slots are held with no record")
+        slots = self.index.audit()
+        problems = [
+            f"{slots[what]} {meaning}"
+            for what, meaning in (
+                ("double", "slots handed out twice"),
+                ("quarantined", "slots held with no record"),
+                ("view_mismatch", "keys whose query answer disagrees with their record"),
+            )
+            if slots[what]
+        ]
         if self.transfers is not None and self.transfers.in_flight:
             problems.append(f"{self.transfers.in_flight} transfers in flight")
         holders = collections.Counter(self.local.handles.values()) if self.local else {}
