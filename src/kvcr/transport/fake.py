@@ -174,8 +174,9 @@ class FakeTransport:
 
     def _finish(self, xfer: FakeXfer, ok: bool) -> None:
         target = xfer.peer
-        if target is not None and (target.dead or target.closed):
-            ok = False
+        remote = bool(xfer.sender)
+        if remote and (target is None or target.dead or target.closed):
+            ok = False  # like NIXL: a write to a peer that is gone (or never was) fails
         if ok:
             for daddr, saddr, n in xfer.pairs:
                 ctypes.memmove(daddr, saddr, n)
