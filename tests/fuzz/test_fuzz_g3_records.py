@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+import pytest
 import trio
 from fuzzing import case, fuzz
 from hypothesis import given
@@ -186,6 +187,7 @@ def record_damage(draw: st.DrawFn) -> list[tuple[int, int, bytes]]:
     return out
 
 
+@pytest.mark.integration
 @fuzz(60)
 @given(damage=record_damage())
 def test_a_tier_over_damaged_records_reads_each_block_exactly_or_not_at_all(

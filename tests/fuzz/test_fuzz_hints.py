@@ -182,6 +182,7 @@ def engine_bindings(channel):
     )
 
 
+@pytest.mark.integration
 @fuzz(1000)
 @given(envelope=envelopes())
 def test_a_bad_hint_is_a_value_error_and_leaves_the_instance_and_earlier_hints_intact(

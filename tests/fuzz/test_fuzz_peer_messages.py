@@ -252,7 +252,7 @@ def run(scenario) -> None:
     trio.run(scenario, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
-@fuzz(40)
+@fuzz(150)
 @given(st.data())
 def test_hostile_peer_traffic_leaves_the_source_serving_valid_pulls(data) -> None:
     case("peer message (live pair)")
