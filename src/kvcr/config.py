@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from kvcr.guard.protocol import MAX_GROUPS
 from kvcr.types import (
     BlockKey,
     InventoryEvent,
@@ -50,6 +51,14 @@ _shown = _ShortRepr().repr  # a bounded repr of a value for error messages
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+U64 = 2**64  # addresses, sizes and counts are 64-bit
+
+
+def _is_u64(value: object) -> bool:
+    """A positive int that fits in 64 bits."""
+    return _is_int(value) and 0 < value < U64  # type: ignore[operator]
 
 
 # Millisecond settings become float seconds: beyond 2**53 they would lose precision, and
@@ -85,9 +94,9 @@ def _normalize_layouts(value: object) -> PoolBlockLayouts:
             )
         if name in seen:
             raise ValueError(f"{where}[{i}]: pool name {_shown(name)} appears twice")
-        if not _is_int(size) or size <= 0:
+        if not _is_u64(size):
             raise ValueError(
-                f"{where}[{i}]: block size of pool {_shown(name)} must be a positive int, got {_shown(size)}"
+                f"{where}[{i}]: block size of pool {_shown(name)} must be a positive int below 2**64, got {_shown(size)}"
             )
         seen.add(name)
         layouts.append((name, size))
@@ -162,13 +171,13 @@ class LocalDramOptions:
             name, addr, size = item
             if not isinstance(name, str):
                 raise ValueError(f"{where}[{i}]: pool name must be a string, got {_shown(name)}")
-            if not _is_int(addr) or addr <= 0:
+            if not _is_u64(addr):
                 raise ValueError(
-                    f"{where}[{i}]: address of pool {_shown(name)} must be a positive int"
+                    f"{where}[{i}]: address of pool {_shown(name)} must be a positive 64-bit int"
                 )
-            if not _is_int(size) or size <= 0:
+            if not _is_u64(size):
                 raise ValueError(
-                    f"{where}[{i}]: size of pool {_shown(name)} must be a positive int"
+                    f"{where}[{i}]: size of pool {_shown(name)} must be a positive 64-bit int"
                 )
             pools.append((name, addr, size))
         object.__setattr__(self, "pools", pools)
@@ -299,18 +308,16 @@ def _validate_region(where: str, region: RegionDescriptor) -> None:
         raise ValueError(
             f"{where}: mem_type must be one of {MEM_TYPES}, got {_shown(region.mem_type)}"
         )
-    if not _is_int(region.addr) or region.addr <= 0:
-        raise ValueError(f"{where}: addr must be a positive int, got {_shown(region.addr)}")
-    if not _is_int(region.size) or region.size <= 0:
-        raise ValueError(f"{where}: size must be a positive int, got {_shown(region.size)}")
-    if not _is_int(region.count) or region.count <= 0:
-        raise ValueError(f"{where}: count must be a positive int, got {_shown(region.count)}")
-    if not _is_int(region.stride) or (region.stride and region.stride < region.size):
+    for name in ("addr", "size", "count"):
+        value = getattr(region, name)
+        if not _is_u64(value):
+            raise ValueError(f"{where}: {name} must be a positive 64-bit int, got {_shown(value)}")
+    if not _is_int(region.stride) or (region.stride and not region.size <= region.stride < U64):
         raise ValueError(
             f"{where}: stride must be 0 or >= size ({region.size}), got {_shown(region.stride)}"
         )
-    if not _is_int(region.device_Id) or region.device_Id < 0:
-        raise ValueError(f"{where}: device_Id must be a non-negative int")
+    if not _is_int(region.device_Id) or not 0 <= region.device_Id < U64:
+        raise ValueError(f"{where}: device_Id must be a non-negative 64-bit int")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,9 +331,9 @@ class KVCRGuardConfig:
             self.kvcr_service_socket_path
         ):
             raise ValueError("KVCRGuardConfig: kvcr_service_socket_path must be a non-empty path")
-        if not _is_int(self.guard_index) or self.guard_index < 0:
+        if not _is_int(self.guard_index) or not 0 <= self.guard_index < MAX_GROUPS:
             raise ValueError(
-                f"KVCRGuardConfig: guard_index must be a non-negative int, got {_shown(self.guard_index)}"
+                f"KVCRGuardConfig: guard_index must be an int in [0, {MAX_GROUPS - 1}], got {_shown(self.guard_index)}"
             )
         if not isinstance(self.compatibility_digest, str) or not self.compatibility_digest:
             raise ValueError("KVCRGuardConfig: compatibility_digest must be a non-empty string")

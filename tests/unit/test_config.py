@@ -311,7 +311,7 @@ def _is_valid_layout(layouts) -> bool:
         name, size = item
         if not isinstance(name, str) or ":" in name:
             return False
-        if type(size) is not int or size <= 0:
+        if type(size) is not int or not 0 < size < 2**64:
             return False
         names.append(name)
     if len(set(names)) != len(names):
