@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import trio
-from fuzzing import case, fuzz
+from fuzzing import case, fuzz, open_fds
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -194,4 +194,7 @@ def test_a_tier_over_damaged_records_reads_each_block_exactly_or_not_at_all(
     tmp_path_factory, damage
 ) -> None:
     case("G3 record bytes (NIXL tier)")
-    trio.run(_store_damage_read, tmp_path_factory.mktemp("g3tier"), damage)
+    directory = tmp_path_factory.mktemp("g3tier")
+    before = open_fds()
+    trio.run(_store_damage_read, directory, damage)
+    assert open_fds() == before, "an example leaked file descriptors"

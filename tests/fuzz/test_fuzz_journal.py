@@ -185,7 +185,9 @@ def forged_payloads(draw: st.DrawFn) -> bytes:
             out += journal.BATCH_HEAD.pack(
                 journal.BATCH,
                 draw(ENTRY_OPS),
-                draw(st.one_of(st.integers(0, 8), st.just(0xFFFFFFFF), st.integers(0, (1 << 32) - 1))),
+                draw(
+                    st.one_of(st.integers(0, 8), st.just(0xFFFFFFFF), st.integers(0, (1 << 32) - 1))
+                ),
                 draw(st.sampled_from([0, 1, 4, 0xFFFF])),
                 draw(st.sampled_from([0, 1, 2, 255])),
             )
