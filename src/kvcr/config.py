@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import reprlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from kvcr.guard.protocol import MAX_GROUPS
 from kvcr.types import (
     BlockKey,
     InventoryEvent,
@@ -29,34 +31,72 @@ PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 MEM_TYPES = ("DRAM", "VRAM")
 
 
+class _ShortRepr(reprlib.Repr):
+    """reprlib with small limits that never calls ``repr`` on a huge int (Python refuses
+    ints over 4300 digits, with a ValueError that would hide which setting was wrong)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxstring = self.maxother = 80
+        self.maxlong = 40
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 128:
+            return f"<int of {x.bit_length()} bits>"
+        return super().repr_int(x, level)
+
+
+_shown = _ShortRepr().repr  # a bounded repr of a value for error messages
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _require_positive_int(owner: str, name: str, value: object) -> None:
+U64 = 2**64  # addresses, sizes and counts are 64-bit
+
+
+def _is_u64(value: object) -> bool:
+    """A positive int that fits in 64 bits."""
+    return _is_int(value) and 0 < value < U64  # type: ignore[operator]
+
+
+# Millisecond settings become float seconds: beyond 2**53 they would lose precision, and
+# far beyond they would not convert at all (OverflowError at the first deadline).
+MAX_MS = 2**53
+MAX_FILE_BYTES = 2**63 - 1  # the largest file size (off_t)
+
+
+def _require_positive_int(owner: str, name: str, value: object, limit: int | None = None) -> None:
     if not _is_int(value) or value <= 0:  # type: ignore[operator]
-        raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}")
+        raise ValueError(f"{owner}: {name} must be a positive int, got {_shown(value)}")
+    if limit is not None and value > limit:  # type: ignore[operator]
+        raise ValueError(f"{owner}: {name} must be at most {limit}, got {_shown(value)}")
 
 
 def _normalize_layouts(value: object) -> PoolBlockLayouts:
     where = "KVCRConfig: pool_layouts"
     if not isinstance(value, (list, tuple)) or not value:
         raise ValueError(
-            f"{where} must be a non-empty list of (pool name, block size), got {value!r}"
+            f"{where} must be a non-empty list of (pool name, block size), got {_shown(value)}"
         )
     layouts: PoolBlockLayouts = []
     seen: set[str] = set()
     for i, item in enumerate(value):
         if not isinstance(item, (list, tuple)) or len(item) != 2:
-            raise ValueError(f"{where}[{i}] must be a (pool name, block size) pair, got {item!r}")
+            raise ValueError(
+                f"{where}[{i}] must be a (pool name, block size) pair, got {_shown(item)}"
+            )
         name, size = item
         if not isinstance(name, str) or ":" in name:
-            raise ValueError(f"{where}[{i}]: pool name must be a string without ':', got {name!r}")
-        if name in seen:
-            raise ValueError(f"{where}[{i}]: pool name {name!r} appears twice")
-        if not _is_int(size) or size <= 0:
             raise ValueError(
-                f"{where}[{i}]: block size of pool {name!r} must be a positive int, got {size!r}"
+                f"{where}[{i}]: pool name must be a string without ':', got {_shown(name)}"
+            )
+        if name in seen:
+            raise ValueError(f"{where}[{i}]: pool name {_shown(name)} appears twice")
+        if not _is_u64(size):
+            raise ValueError(
+                f"{where}[{i}]: block size of pool {_shown(name)} must be a positive int below 2**64, got {_shown(size)}"
             )
         seen.add(name)
         layouts.append((name, size))
@@ -81,29 +121,31 @@ class KVCRConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.nixl_agent_name, str) or not self.nixl_agent_name:
             raise ValueError(
-                f"KVCRConfig: nixl_agent_name must be a non-empty string, got {self.nixl_agent_name!r}"
+                f"KVCRConfig: nixl_agent_name must be a non-empty string, got {_shown(self.nixl_agent_name)}"
             )
         object.__setattr__(self, "pool_layouts", _normalize_layouts(self.pool_layouts))
-        _require_positive_int("KVCRConfig", "operation_timeout_ms", self.operation_timeout_ms)
-        _require_positive_int("KVCRConfig", "abandon_timeout_ms", self.abandon_timeout_ms)
+        _require_positive_int(
+            "KVCRConfig", "operation_timeout_ms", self.operation_timeout_ms, MAX_MS
+        )
+        _require_positive_int("KVCRConfig", "abandon_timeout_ms", self.abandon_timeout_ms, MAX_MS)
         if self.abandon_timeout_ms < 2 * self.operation_timeout_ms:
             raise ValueError(
                 "KVCRConfig: abandon_timeout_ms must be >= 2 * operation_timeout_ms, got "
-                f"{self.abandon_timeout_ms} < 2 * {self.operation_timeout_ms}"
+                f"{_shown(self.abandon_timeout_ms)} < 2 * {_shown(self.operation_timeout_ms)}"
             )
         watermark = self.capacity_low_watermark_percent
         if not _is_int(watermark) or not 0 <= watermark < 100:
             raise ValueError(
-                f"KVCRConfig: capacity_low_watermark_percent must be an int in [0, 100), got {watermark!r}"
+                f"KVCRConfig: capacity_low_watermark_percent must be an int in [0, 100), got {_shown(watermark)}"
             )
         port = self.nixl_listen_port
         if port is not None and (not _is_int(port) or not 0 < port < 65536):
             raise ValueError(
-                f"KVCRConfig: nixl_listen_port must be None or a port in [1, 65535], got {port!r}"
+                f"KVCRConfig: nixl_listen_port must be None or a port in [1, 65535], got {_shown(port)}"
             )
         if not isinstance(self.enable_telemetry, bool):
             raise ValueError(
-                f"KVCRConfig: enable_telemetry must be a bool, got {self.enable_telemetry!r}"
+                f"KVCRConfig: enable_telemetry must be a bool, got {_shown(self.enable_telemetry)}"
             )
 
     @property
@@ -123,14 +165,20 @@ class LocalDramOptions:
         pools = []
         for i, item in enumerate(self.pools):
             if not isinstance(item, (list, tuple)) or len(item) != 3:
-                raise ValueError(f"{where}[{i}] must be (pool name, address, size), got {item!r}")
+                raise ValueError(
+                    f"{where}[{i}] must be (pool name, address, size), got {_shown(item)}"
+                )
             name, addr, size = item
             if not isinstance(name, str):
-                raise ValueError(f"{where}[{i}]: pool name must be a string, got {name!r}")
-            if not _is_int(addr) or addr <= 0:
-                raise ValueError(f"{where}[{i}]: address of pool {name!r} must be a positive int")
-            if not _is_int(size) or size <= 0:
-                raise ValueError(f"{where}[{i}]: size of pool {name!r} must be a positive int")
+                raise ValueError(f"{where}[{i}]: pool name must be a string, got {_shown(name)}")
+            if not _is_u64(addr):
+                raise ValueError(
+                    f"{where}[{i}]: address of pool {_shown(name)} must be a positive 64-bit int"
+                )
+            if not _is_u64(size):
+                raise ValueError(
+                    f"{where}[{i}]: size of pool {_shown(name)} must be a positive 64-bit int"
+                )
             pools.append((name, addr, size))
         object.__setattr__(self, "pools", pools)
         _require_backend("LocalDramOptions", self.backend)
@@ -144,8 +192,15 @@ class RemoteFWDramOptions:
     backend: str = "UCX"
 
     def __post_init__(self) -> None:
+        for name in ("eager_ctrl_connect", "opportunistic_query"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"RemoteFWDramOptions: {name} must be a bool, got {_shown(value)}")
         _require_positive_int(
-            "RemoteFWDramOptions", "metadata_retry_interval_ms", self.metadata_retry_interval_ms
+            "RemoteFWDramOptions",
+            "metadata_retry_interval_ms",
+            self.metadata_retry_interval_ms,
+            MAX_MS,
         )
         _require_backend("RemoteFWDramOptions", self.backend)
 
@@ -159,7 +214,9 @@ class G3Options:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "paths", _g3_paths(self.paths))
-        _require_positive_int("G3Options", "capacity_bytes_per_file", self.capacity_bytes_per_file)
+        _require_positive_int(
+            "G3Options", "capacity_bytes_per_file", self.capacity_bytes_per_file, MAX_FILE_BYTES
+        )
         _require_backend("G3Options", self.backend)
         if not isinstance(self.backend_options, Mapping):
             raise ValueError(
@@ -170,7 +227,7 @@ class G3Options:
         for k, v in opts.items():
             if not isinstance(k, str) or not isinstance(v, str):
                 raise ValueError(
-                    f"G3Options: backend_options must map str to str, got {k!r}: {v!r}"
+                    f"G3Options: backend_options must map str to str, got {_shown(k)}: {_shown(v)}"
                 )
         object.__setattr__(self, "backend_options", opts)
 
@@ -178,19 +235,19 @@ class G3Options:
 def _g3_paths(value: object) -> tuple[Path, ...]:
     where = "G3Options: paths"
     if isinstance(value, (str, bytes, os.PathLike)) or not isinstance(value, (list, tuple)):
-        raise ValueError(f"{where} must be a non-empty sequence of file paths, got {value!r}")
+        raise ValueError(f"{where} must be a non-empty sequence of file paths, got {_shown(value)}")
     if not value:
         raise ValueError(f"{where} must be a non-empty sequence of file paths")
     paths: list[Path] = []
     identities: dict[object, Path] = {}
     for i, raw in enumerate(value):
         if not isinstance(raw, (str, os.PathLike)) or isinstance(raw, bytes) or not str(raw):
-            raise ValueError(f"{where}[{i}] must be a non-empty str or Path, got {raw!r}")
+            raise ValueError(f"{where}[{i}] must be a non-empty str or Path, got {_shown(raw)}")
         try:
             path = Path(raw)
             resolved = path.expanduser().resolve()
         except (OSError, RuntimeError, ValueError) as exc:
-            raise ValueError(f"{where}[{i}] ({raw!r}) cannot be resolved: {exc}") from None
+            raise ValueError(f"{where}[{i}] ({_shown(raw)}) cannot be resolved: {exc}") from None
         # Hard links and bind mounts alias by inode, symlinks and '..' by resolved name.
         try:
             st = resolved.stat()
@@ -238,9 +295,9 @@ class KVCRBackendConfigs:
             if not isinstance(region, RegionDescriptor):
                 raise ValueError(f"{where} must be a RegionDescriptor, got {type(region).__name__}")
             if not isinstance(region.label, str):
-                raise ValueError(f"{where}: label must be a str, got {region.label!r}")
+                raise ValueError(f"{where}: label must be a str, got {_shown(region.label)}")
             if region.label in labels:
-                raise ValueError(f"{where}: label {region.label!r} is not unique")
+                raise ValueError(f"{where}: label {_shown(region.label)} is not unique")
             labels.add(region.label)
             _validate_region(where, region)
         object.__setattr__(self, "framework_regions", regions)
@@ -248,19 +305,19 @@ class KVCRBackendConfigs:
 
 def _validate_region(where: str, region: RegionDescriptor) -> None:
     if region.mem_type not in MEM_TYPES:
-        raise ValueError(f"{where}: mem_type must be one of {MEM_TYPES}, got {region.mem_type!r}")
-    if not _is_int(region.addr) or region.addr <= 0:
-        raise ValueError(f"{where}: addr must be a positive int, got {region.addr!r}")
-    if not _is_int(region.size) or region.size <= 0:
-        raise ValueError(f"{where}: size must be a positive int, got {region.size!r}")
-    if not _is_int(region.count) or region.count <= 0:
-        raise ValueError(f"{where}: count must be a positive int, got {region.count!r}")
-    if not _is_int(region.stride) or (region.stride and region.stride < region.size):
         raise ValueError(
-            f"{where}: stride must be 0 or >= size ({region.size}), got {region.stride!r}"
+            f"{where}: mem_type must be one of {MEM_TYPES}, got {_shown(region.mem_type)}"
         )
-    if not _is_int(region.device_Id) or region.device_Id < 0:
-        raise ValueError(f"{where}: device_Id must be a non-negative int")
+    for name in ("addr", "size", "count"):
+        value = getattr(region, name)
+        if not _is_u64(value):
+            raise ValueError(f"{where}: {name} must be a positive 64-bit int, got {_shown(value)}")
+    if not _is_int(region.stride) or (region.stride and not region.size <= region.stride < U64):
+        raise ValueError(
+            f"{where}: stride must be 0 or >= size ({region.size}), got {_shown(region.stride)}"
+        )
+    if not _is_int(region.device_Id) or not 0 <= region.device_Id < U64:
+        raise ValueError(f"{where}: device_Id must be a non-negative 64-bit int")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,9 +331,9 @@ class KVCRGuardConfig:
             self.kvcr_service_socket_path
         ):
             raise ValueError("KVCRGuardConfig: kvcr_service_socket_path must be a non-empty path")
-        if not _is_int(self.guard_index) or self.guard_index < 0:
+        if not _is_int(self.guard_index) or not 0 <= self.guard_index < MAX_GROUPS:
             raise ValueError(
-                f"KVCRGuardConfig: guard_index must be a non-negative int, got {self.guard_index!r}"
+                f"KVCRGuardConfig: guard_index must be an int in [0, {MAX_GROUPS - 1}], got {_shown(self.guard_index)}"
             )
         if not isinstance(self.compatibility_digest, str) or not self.compatibility_digest:
             raise ValueError("KVCRGuardConfig: compatibility_digest must be a non-empty string")
@@ -284,7 +341,7 @@ class KVCRGuardConfig:
 
 def _require_backend(owner: str, backend: object) -> None:
     if not isinstance(backend, str) or not backend:
-        raise ValueError(f"{owner}: backend must be a NIXL backend name, got {backend!r}")
+        raise ValueError(f"{owner}: backend must be a NIXL backend name, got {_shown(backend)}")
 
 
 def validate_setup(
@@ -328,7 +385,7 @@ def validate_pools_against_layouts(layouts: PoolBlockLayouts, local: LocalDramOp
     for name, _addr, size in local.pools:
         if size < sizes[name]:
             raise ValueError(
-                f"LocalDramOptions: pool {name!r} has {size} bytes, less than one block "
+                f"LocalDramOptions: pool {_shown(name)} has {size} bytes, less than one block "
                 f"({sizes[name]} bytes)"
             )
 
@@ -339,11 +396,11 @@ def validate_g3_layout(layouts: PoolBlockLayouts, g3: G3Options) -> None:
     name, block = layouts[0]
     if block % PAGE_SIZE:
         raise ValueError(
-            f"G3Options: block size of pool {name!r} ({block}) must be a multiple of the page size ({PAGE_SIZE})"
+            f"G3Options: block size of pool {_shown(name)} ({block}) must be a multiple of the page size ({PAGE_SIZE})"
         )
     if g3.capacity_bytes_per_file % block:
         raise ValueError(
-            f"G3Options: capacity_bytes_per_file ({g3.capacity_bytes_per_file}) must be a whole "
+            f"G3Options: capacity_bytes_per_file ({_shown(g3.capacity_bytes_per_file)}) must be a whole "
             f"number of blocks of {block} bytes"
         )
 

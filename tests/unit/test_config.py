@@ -311,7 +311,7 @@ def _is_valid_layout(layouts) -> bool:
         name, size = item
         if not isinstance(name, str) or ":" in name:
             return False
-        if type(size) is not int or size <= 0:
+        if type(size) is not int or not 0 < size < 2**64:
             return False
         names.append(name)
     if len(set(names)) != len(names):
@@ -414,7 +414,7 @@ def _numeric_settings_are_valid(operation, abandon, percent, port) -> bool:
         return False
     if port is not None and (type(port) is not int or not 1 <= port <= 65535):
         return False
-    return operation > 0 and abandon >= 2 * operation and 0 <= percent <= 99
+    return 0 < operation <= 2**53 and 2 * operation <= abandon <= 2**53 and 0 <= percent <= 99
 
 
 @settings(max_examples=300)
@@ -718,7 +718,12 @@ def _region_is_valid(fields) -> bool:
     if fields["mem_type"] not in ("DRAM", "VRAM") or any(type(n) is not int for n in numbers):
         return False
     device, addr, stride, count, size = numbers
-    return device >= 0 and addr > 0 and count > 0 and size > 0 and (stride == 0 or stride >= size)
+    u64 = 2**64  # addresses, sizes and counts are 64-bit
+    return (
+        0 <= device < u64
+        and all(0 < n < u64 for n in (addr, count, size))
+        and (stride == 0 or size <= stride < u64)
+    )
 
 
 @settings(max_examples=300)

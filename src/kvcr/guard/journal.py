@@ -178,6 +178,10 @@ def _read_batch(
     values_end = keys_end + 8 * n * count
     if op not in OPS or (op in REMOVALS) != (count == 0) or values_end > end:
         return -1
+    if klen == 0 and count == 0:
+        # n removals of the empty key take no bytes at all, so n is bounded by nothing the
+        # frame holds: they are one removal (applying it n times changes nothing more).
+        n = min(n, 1)
     values = struct.unpack_from(f"<{n * count}Q", payload, keys_end)
     for i in range(n):
         key = bytes(payload[pos + i * klen : pos + (i + 1) * klen])

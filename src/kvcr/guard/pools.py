@@ -23,6 +23,7 @@ import fcntl
 import math
 import mmap
 import os
+import reprlib
 import stat
 import weakref
 from pathlib import Path
@@ -91,12 +92,14 @@ def parse_pool_sizes_gb(text: str) -> list[int]:
     size below one page.
     """
     if not text.strip():
-        raise ValueError(f"{POOL_SIZES_FLAG}: expected comma-separated sizes in GiB, got {text!r}")
+        raise ValueError(
+            f"{POOL_SIZES_FLAG}: expected comma-separated sizes in GiB, got {reprlib.repr(text)}"
+        )
     page = page_size()
     sizes: list[int] = []
     for index, raw in enumerate(text.split(",")):
         item = raw.strip()
-        where = f"{POOL_SIZES_FLAG}: item {index} ({raw!r})"
+        where = f"{POOL_SIZES_FLAG}: item {index} ({reprlib.repr(raw)})"
         try:
             gib = float(item)
         except ValueError:
@@ -105,6 +108,8 @@ def parse_pool_sizes_gb(text: str) -> list[int]:
             raise ValueError(f"{where} is not a finite number")
         if gib <= 0:
             raise ValueError(f"{where} must be positive")
+        if not math.isfinite(gib * GIB):
+            raise ValueError(f"{where} is too large")
         size = _round_to_page(int(gib * GIB))
         if size < page:
             raise ValueError(f"{where} is below one page ({page} bytes)")

@@ -36,3 +36,6 @@ async def kvcr_in_loop(
             kv._closed = True
             kv._inbox.put(("close",))
             await kv._runtime.closed.wait()
+            # Nothing can post to it any more (the instance is closed): give its eventfd back
+            # now rather than at the next full garbage collection.
+            kv._runtime.inbox.close()

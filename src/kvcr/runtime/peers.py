@@ -320,8 +320,16 @@ class Peers:
             self.log.warning("peer_unreachable", endpoint=link.endpoint)
 
     def _on_hello_ack(self, msg: m.HelloAck) -> None:
+        # Only an answer to our greeting says who is at the endpoint: an unsolicited one (the
+        # link is not being greeted) must not switch the link to an incarnation nobody
+        # vouched for, which would turn the real source away as "gone" for good.
         link = self.links.get(msg.sender)
-        if link is None or msg.acked != self.incarnation or msg.incarnation in link.gone:
+        if (
+            link is None
+            or not link.greeting
+            or msg.acked != self.incarnation
+            or msg.incarnation in link.gone
+        ):
             self.drop("stale_hello_ack", msg.sender)
             return
         self._note_incarnation(link, msg.incarnation)
@@ -405,8 +413,10 @@ class Peers:
         self.send(pull.link.endpoint, m.Probe(self.endpoint, self.incarnation, pull.req, True))
 
     def _find_pull(self, endpoint: str, incarnation: int, req: int) -> RemotePull | None:
+        """The pull ``req`` at ``endpoint``. Only an answer about one of our pulls in flight
+        may reveal a restarted source; anything else is not evidence of a restart."""
         link = self.links.get(endpoint)
-        if link is None:
+        if link is None or req not in link.pulls:
             return None
         if not self._note_incarnation(link, incarnation):
             return link.pulls.get(req) if link.incarnation == incarnation else None
@@ -429,7 +439,12 @@ class Peers:
 
     def _on_over(self, msg: m.Over) -> None:
         link = self.links.get(msg.sender)
-        if link is not None and link.incarnation and link.incarnation != msg.incarnation:
+        if (
+            link is not None
+            and link.incarnation
+            and link.incarnation != msg.incarnation
+            and msg.req in link.pulls  # a restarted source turning one of our pulls away
+        ):
             self._note_incarnation(link, msg.incarnation)
             return
         pull = self._find_pull(msg.sender, msg.incarnation, msg.req)

@@ -294,7 +294,8 @@ class FakeTransport:
 
     def _finish(self, xfer: FakeXfer, ok: bool) -> None:
         target = xfer.peer
-        gone = target is not None and (target.dead or target.closed)
+        # Like NIXL: a write to a peer that is gone (or never was) fails.
+        gone = bool(xfer.sender) and (target is None or target.dead or target.closed)
         ok = ok and not gone
         lands = ok or (xfer.behavior.lands and not gone)
         if lands:
