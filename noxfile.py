@@ -9,6 +9,8 @@ The test and benchmark sessions run with the NIXL/UCX environment of a CPU-only 
 from __future__ import annotations
 
 import os
+import shutil
+from pathlib import Path
 
 import nox
 
@@ -74,3 +76,38 @@ def soak(session: nox.Session) -> None:
     """The long soak, ``tests/soak.py`` (``-- --minutes N --seed S``; 10 minutes, seed 1)."""
     install(session)
     session.run("python", "tests/soak.py", *session.posargs, env=NIXL_ENV)
+
+
+# torch stays out of a wheel install too (nixl-cu13 declares it; see pyproject.toml).
+NO_TORCH = "torch; sys_platform == 'never'\n"
+
+
+@nox.session(venv_backend="none")
+def wheel(session: nox.Session) -> None:
+    """Build the wheel, install it into a fresh environment, and use kvcr from there: the
+    import comes from site-packages, `kvcr-guard` runs, and examples/quickstart.py passes."""
+    tmp = Path(session.create_tmp()).resolve()
+    for old in tmp.glob("*"):
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+    session.run("uv", "build", "--wheel", "--out-dir", str(tmp / "dist"), external=True)
+    (wheel_file,) = (tmp / "dist").glob("kvcr-*.whl")
+    venv = tmp / "venv"
+    session.run("uv", "venv", "--quiet", str(venv), external=True)
+    overrides = tmp / "overrides.txt"
+    overrides.write_text(NO_TORCH)
+    python = str(venv / "bin" / "python")
+    session.run(
+        *("uv", "pip", "install", "--python", python, "--override", str(overrides)),
+        *(str(wheel_file), "numpy"),
+        external=True,
+    )
+    where = session.run(
+        python, "-c", "import kvcr; print(kvcr.__file__)", silent=True, external=True
+    )
+    if "site-packages" not in str(where):
+        session.error(f"kvcr was imported from {where!r}, not from the installed wheel")
+    session.run(str(venv / "bin" / "kvcr-guard"), "--help", silent=True, external=True)
+    # From a directory outside the checkout, so that only the wheel can provide kvcr.
+    session.chdir(tmp)
+    examples = Path(__file__).resolve().parent / "examples"
+    session.run(python, str(examples / "quickstart.py"), env=NIXL_ENV, external=True)
