@@ -14,7 +14,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 import attrs
 import trio
@@ -25,6 +25,7 @@ from kvcr.config import (
     KVCRBackendConfigs,
     KVCRConfig,
     KVCRGuardConfig,
+    SharedListenerControl,
     TelemetryStats,
     validate_pools_against_layouts,
     validate_setup,
@@ -32,7 +33,7 @@ from kvcr.config import (
 from kvcr.control_channels import endpoint_host
 from kvcr.errors import KVCRServiceError
 from kvcr.guard.client import KVCRClient, KVCRPoolHold
-from kvcr.hints import HintBook, parse_router_hint
+from kvcr.hints import HintBook, RouterHint, parse_router_hint
 from kvcr.logs import get_logger
 from kvcr.policy import HOOKS as POLICY_HOOKS
 from kvcr.policy import G3LRUPolicy, KVCachePolicy, LRUPolicy
@@ -106,6 +107,13 @@ class KVCRBindings:
         _has_methods("framework_control", self.framework_control, ("send", "recv"))
         _has_methods("key_adapter", self.key_adapter, ("encode", "decode"))
         _has_methods("policy", self.policy, POLICY_HOOKS)
+
+
+def _adopts_listener(channel: FrameworkControl | None) -> TypeGuard[SharedListenerControl]:
+    """Whether ``channel`` has the optional methods a guarded instance needs."""
+    return channel is not None and all(
+        callable(getattr(channel, m, None)) for m in ("adopt_listener", "control_bind_address")
+    )
 
 
 def _drain(queue: Any) -> Iterator[Any]:
@@ -265,9 +273,7 @@ class KVCR:
         """Claim the pool group from the guard service, adopt its control listener, and
         return the backend configs with the group's pools as local DRAM."""
         channel = bindings.framework_control
-        if channel is None or not all(
-            callable(getattr(channel, m, None)) for m in ("adopt_listener", "control_bind_address")
-        ):
+        if not _adopts_listener(channel):
             raise ValueError(
                 "KVCR: guard_config needs a framework_control that can adopt the pool group's "
                 "shared control listener (adopt_listener, control_bind_address), such as "
@@ -361,8 +367,10 @@ class KVCR:
                 raise ValueError(f"{what}: key #{position} must be bytes, got {type(key).__name__}")
         if len(set(out)) != len(out):
             seen: set[bytes] = set()
-            position = next(i for i, k in enumerate(out) if k in seen or seen.add(k))
-            raise ValueError(f"{what}: key #{position} ({out[position]!r}) appears twice")
+            for position, key in enumerate(out):
+                if key in seen:
+                    raise ValueError(f"{what}: key #{position} ({key!r}) appears twice")
+                seen.add(key)
         return out
 
     def _resolve(self, what: str, blocks: object) -> dict[BlockKey, tuple[int, ...]]:
@@ -371,11 +379,12 @@ class KVCR:
                 f"{what}: blocks must be a mapping of key -> [MemoryRef, ...], got "
                 f"{type(blocks).__name__}"
             )
-        resolved = {}
+        resolved: dict[BlockKey, tuple[int, ...]] = {}
         for position, (key, refs) in enumerate(blocks.items()):
             if not isinstance(key, bytes):
                 raise ValueError(f"{what}: key #{position} must be bytes, got {type(key).__name__}")
-            resolved[key] = self._memory.resolve_key(what, position, key, refs)
+            # A checked engine key: bytes are what a BlockKey is.
+            resolved[cast("BlockKey", key)] = self._memory.resolve_key(what, position, key, refs)
         return resolved
 
     def _submit(self, command: tuple, keys: list[BlockKey]) -> OpHandle:
@@ -409,7 +418,7 @@ class KVCR:
     ) -> list[tuple[QueryStatus, CacheTier | None]]:
         self._check_open("query")
         view = self._view
-        answers = [view.get(key, MISS) for key in keys]
+        answers: list[tuple[QueryStatus, CacheTier | None]] = [view.get(key, MISS) for key in keys]
         g3 = self._g3_view
         if g3:  # the file tier comes after local G2 and before a peer
             for i, answer in enumerate(answers):
@@ -423,7 +432,7 @@ class KVCR:
                     answers[i] = REMOTE
         return answers
 
-    def _live_hint(self, request_id: object) -> Any:
+    def _live_hint(self, request_id: object) -> RouterHint | None:
         """The request's hint, unless it failed (remote failures arrive from the runtime)."""
         for failed in _drain(self._outbox.failed_hints):
             self._hints.mark_failed(failed)
@@ -445,7 +454,7 @@ class KVCR:
         covered = frozenset(k for k in keys if k not in view and self._hint_covers(hint, k))
         return (hint.source_control_endpoint, request_id, covered) if covered else None
 
-    def _hint_covers(self, hint: Any, key: BlockKey) -> bool:
+    def _hint_covers(self, hint: RouterHint, key: BlockKey) -> bool:
         if self._opportunistic:
             return True
         if self._key_adapter is None:

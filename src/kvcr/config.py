@@ -16,7 +16,7 @@ import os
 import reprlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeGuard, runtime_checkable
 
 from kvcr.guard.protocol import MAX_GROUPS
 from kvcr.types import (
@@ -49,7 +49,7 @@ class _ShortRepr(reprlib.Repr):
 _shown = _ShortRepr().repr  # a bounded repr of a value for error messages
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -58,7 +58,7 @@ U64 = 2**64  # addresses, sizes and counts are 64-bit
 
 def _is_u64(value: object) -> bool:
     """A positive int that fits in 64 bits."""
-    return _is_int(value) and 0 < value < U64  # type: ignore[operator]
+    return _is_int(value) and 0 < value < U64
 
 
 # Millisecond settings become float seconds: beyond 2**53 they would lose precision, and
@@ -68,9 +68,9 @@ MAX_FILE_BYTES = 2**63 - 1  # the largest file size (off_t)
 
 
 def _require_positive_int(owner: str, name: str, value: object, limit: int | None = None) -> None:
-    if not _is_int(value) or value <= 0:  # type: ignore[operator]
+    if not _is_int(value) or value <= 0:
         raise ValueError(f"{owner}: {name} must be a positive int, got {_shown(value)}")
-    if limit is not None and value > limit:  # type: ignore[operator]
+    if limit is not None and value > limit:
         raise ValueError(f"{owner}: {name} must be at most {limit}, got {_shown(value)}")
 
 
@@ -429,6 +429,15 @@ class FrameworkControl(Protocol):
     def send(self, endpoint: str, message: bytes) -> bool: ...
 
     def recv(self) -> list[bytes]: ...
+
+
+class SharedListenerControl(FrameworkControl, Protocol):
+    """A :class:`FrameworkControl` that can receive on a listener the guard service bound
+    (what ``guard_config`` needs), such as ``ZmqPeerControlChannel``."""
+
+    def control_bind_address(self) -> tuple[str, int]: ...
+
+    def adopt_listener(self, listener_fd: int) -> None: ...
 
 
 @runtime_checkable

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+from typing import cast
 
 import zmq
 
@@ -163,7 +164,7 @@ class ZmqPeerControlChannel:
         # The process-wide context is never terminated: a context of our own would have to
         # be, and a context finalized by the garbage collector before its sockets blocks
         # whatever thread the collector runs in (seen: the runtime thread, forever).
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         router = ctx.socket(zmq.ROUTER)
         try:
             router.setsockopt(zmq.LINGER, 0)
@@ -234,7 +235,7 @@ class ZmqPeerControlChannel:
         """
         if self._router is None or self._closed:
             return None
-        return self._router.getsockopt(zmq.FD)
+        return cast(int, self._router.getsockopt(zmq.FD))  # an int option
 
     def __del__(self) -> None:
         # Sockets left open would keep queued messages and fds alive for the process's life.

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import structlog
+from structlog.typing import EventDict, WrappedLogger
 
 _LEVELS = {
     "CRITICAL": logging.CRITICAL,
@@ -67,13 +68,13 @@ def apply_env_level() -> None:
             logger.addHandler(handler)
 
 
-def _tap(_logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:
+def _tap(_logger: WrappedLogger, method: str, event: EventDict) -> EventDict:
     for tap in _taps:
         tap.append({**event, "log_level": method})
     return event
 
 
-def _render(_logger: Any, _method: str, event: dict[str, Any]) -> str:
+def _render(_logger: WrappedLogger, _method: str, event: EventDict) -> str:
     name = event.pop("event", "")
     fields = " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in event.items())
     return f"{name} {fields}" if fields else str(name)

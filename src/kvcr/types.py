@@ -7,8 +7,8 @@ names; their fields, order and defaults are part of the contract.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
-from typing import NewType
+from collections.abc import Callable, Mapping
+from typing import Any, NewType
 
 import attrs
 
@@ -159,7 +159,9 @@ class TransferError(RuntimeError):
         self.destination_regions = destination_regions
         self.destination_owner = destination_owner
 
-    def __reduce__(self):  # keep keyword-only fields across pickling
+    def __reduce__(  # keep keyword-only fields across pickling
+        self,
+    ) -> tuple[Callable[..., TransferError], tuple[str, OpHandle, dict[str, Any]]]:
         return (_rebuild_transfer_error, (self.message, self.op_handle, self.__dict__.copy()))
 
 

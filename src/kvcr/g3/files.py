@@ -31,6 +31,7 @@ import hashlib
 import os
 import struct
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
 
 import attrs
@@ -230,7 +231,7 @@ class G3Files:
                 runs.append((f, offset, [slot]))
         return runs
 
-    def write_records(self, records: dict[int, Record | None]) -> None:
+    def write_records(self, records: Mapping[int, Record | None]) -> None:
         """Write (or clear, for None) many slots' records: one pwrite per run."""
         n = len(self.files)
         for f, offset, slots in self._runs(list(records)):
@@ -253,7 +254,7 @@ class G3Files:
                 out[slot] = decode_record(data[i * RECORD_SIZE : (i + 1) * RECORD_SIZE])
         return out
 
-    def check_many(self, expected: dict[int, tuple[bytes, int]]) -> set[int]:
+    def check_many(self, expected: Mapping[int, tuple[bytes, int]]) -> set[int]:
         """The slots of ``expected`` (slot -> (key, generation)) that their files and
         records still vouch for; each file is checked once. The records found sound become
         the ones :meth:`check_written` expects."""

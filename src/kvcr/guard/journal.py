@@ -41,7 +41,7 @@ import itertools
 import struct
 import sys
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
@@ -175,7 +175,7 @@ def _read_batch(
     _, op, n, klen, count = BATCH_HEAD.unpack_from(payload, pos)
     pos += BATCH_HEAD.size
     keys_end = pos + n * klen
-    values_end = keys_end + 8 * n * count
+    values_end: int = keys_end + 8 * n * count
     if op not in OPS or (op in REMOVALS) != (count == 0) or values_end > end:
         return -1
     if klen == 0 and count == 0:
@@ -189,7 +189,9 @@ def _read_batch(
     return values_end
 
 
-def encode_batch(op: int, keys: list[bytes], values: list[tuple[int, ...]] | None) -> bytes | None:
+def encode_batch(
+    op: int, keys: Sequence[bytes], values: Sequence[tuple[int, ...]] | None
+) -> bytes | None:
     """One batch entry for ``keys`` (and their ``values``; None for removals), or None if
     they do not share one shape (then encode them one by one)."""
     n = len(keys)
@@ -200,8 +202,14 @@ def encode_batch(op: int, keys: list[bytes], values: list[tuple[int, ...]] | Non
     (klen,), (count,) = klens, counts
     if klen > MAX_KEY or count > MAX_VALUES or (op in REMOVALS) != (count == 0):
         return None
-    flat = () if values is None else (values if count == 1 else itertools.chain(*values))
-    packed = array.array("Q", [v[0] for v in flat] if count == 1 else flat)
+    flat: Iterable[int]
+    if values is None:
+        flat = ()
+    elif count == 1:
+        flat = [v[0] for v in values]
+    else:
+        flat = itertools.chain(*values)
+    packed = array.array("Q", flat)
     if sys.byteorder != "little":
         packed.byteswap()
     return BATCH_HEAD.pack(BATCH, op, n, klen, count) + b"".join(keys) + packed.tobytes()
@@ -359,7 +367,7 @@ class Writer:
             self._pending += entry.pack(op, len(key), key, 0)
 
     def put_batch(
-        self, keys: list[bytes], values: list[tuple[int, ...]], tier: int = PUT_G2
+        self, keys: Sequence[bytes], values: Sequence[tuple[int, ...]], tier: int = PUT_G2
     ) -> None:
         """:meth:`put` for many keys at once (one entry when they share a shape)."""
         entry = encode_batch(tier, keys, values)
@@ -369,7 +377,7 @@ class Writer:
         else:
             self._pending += entry
 
-    def remove_batch(self, keys: list[bytes], op: int = REMOVE) -> None:
+    def remove_batch(self, keys: Sequence[bytes], op: int = REMOVE) -> None:
         """:meth:`remove` for many keys at once."""
         entry = encode_batch(op, keys, None)
         if entry is None:

@@ -26,6 +26,7 @@ import os
 import reprlib
 import stat
 import weakref
+from collections.abc import Iterable
 from pathlib import Path
 
 import attrs
@@ -49,6 +50,10 @@ def group_file_path(directory: Path, index: int) -> Path:
     return Path(directory) / f"kvcr-group-{index}.pool"
 
 
+def _regions(regions: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    return tuple(regions)
+
+
 @attrs.frozen
 class GroupLayout:
     """Where each region lives in a group file; all offsets and sizes are page multiples.
@@ -57,7 +62,7 @@ class GroupLayout:
     """
 
     journal: tuple[int, int]
-    pools: tuple[tuple[int, int], ...] = attrs.field(converter=tuple)
+    pools: tuple[tuple[int, int], ...] = attrs.field(converter=_regions)
     total_size: int
 
 
@@ -216,9 +221,9 @@ def create_group_file(
         os.close(fd)
         path.unlink(missing_ok=True)
         raise
-    group = GroupFile(path=path, layout=layout, fd=fd)
-    _live_files.add(group)
-    return group
+    created = GroupFile(path=path, layout=layout, fd=fd)
+    _live_files.add(created)
+    return created
 
 
 @attrs.define(eq=False)

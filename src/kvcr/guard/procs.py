@@ -14,8 +14,12 @@ import os
 import select
 import socket
 import struct
+from typing import TYPE_CHECKING
 
 import attrs
+
+if TYPE_CHECKING:
+    import trio
 
 SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5+; Python 3.11 lacks the name
 
@@ -27,7 +31,7 @@ class PeerCred:
     gid: int
 
 
-def peer_cred(sock: socket.socket) -> PeerCred:
+def peer_cred(sock: socket.socket | trio.socket.SocketType) -> PeerCred:
     """The credentials of the process that connected ``sock`` (at connect time)."""
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, gid = struct.unpack("3i", raw)

@@ -394,7 +394,10 @@ _converter = _strict_converter()
 def encode(message: Message) -> bytes:
     """The msgpack body of ``message`` (no length prefix)."""
     body = _converter.unstructure(message)
-    return msgpack.packb({"v": PROTOCOL_VERSION, "t": message.TYPE, **body}, use_bin_type=True)
+    packed: bytes = msgpack.packb(
+        {"v": PROTOCOL_VERSION, "t": message.TYPE, **body}, use_bin_type=True
+    )
+    return packed
 
 
 def encode_frame(message: Message) -> bytes:

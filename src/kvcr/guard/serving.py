@@ -19,6 +19,7 @@ from kvcr.config import KVCRBackendConfigs, KVCRConfig, LocalDramOptions, Remote
 from kvcr.control_channels import ZmqPeerControlChannel
 from kvcr.guard.pools import GroupMapping
 from kvcr.guard.rules import Terms
+from kvcr.types import PinRequestId
 
 _WILDCARDS = {"", "0.0.0.0", "::", "*"}
 _instances = itertools.count(1)
@@ -61,7 +62,7 @@ class GroupServer:
             kv = KVCR._over_journal(
                 KVCRConfig(f"kvcr-guard-{os.getpid()}-g{index}-{next(_instances)}", layouts),
                 KVCRBindings(
-                    request_pin=lambda keys: 0,  # never called: no engine memory to pin
+                    request_pin=lambda keys: PinRequestId(0),  # never called: no engine memory
                     poll_pin_results=list,
                     release_pin=lambda handle: True,
                     framework_control=channel,

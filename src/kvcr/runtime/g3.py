@@ -33,7 +33,7 @@ class G3Tier:
         *,
         files: G3Files,
         transport: Any,
-        transfers: Transfers,
+        transfers: Transfers[Any],
         score: Callable[[Block], float],
         on_removed: Callable[[list[BlockKey]], None],
         log: Any,

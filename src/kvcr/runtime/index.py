@@ -21,12 +21,15 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
-from collections.abc import Callable, Iterable, Iterator
-from typing import Protocol
+from collections.abc import Callable, Generator, Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
 
 from kvcr.types import BlockKey, CacheTier, QueryStatus
+
+if TYPE_CHECKING:
+    import trio
 
 HIT = (QueryStatus.HIT, CacheTier.LOCAL_G2)
 FETCHING = (QueryStatus.FETCHING, CacheTier.LOCAL_G2)
@@ -77,7 +80,7 @@ class Block:
     position: int = -1
     version: int = 0
     queued: bool = False  # has a current entry in the eviction queue
-    waiters: object = None  # a trio.Event while somebody waits for the fill to end
+    waiters: trio.Event | None = None  # while somebody waits for the fill to end
 
 
 class JournalSink(Protocol):
@@ -142,7 +145,7 @@ class BlockIndex:
         if self.journal is not None:
             self.journal.flush()
 
-    def restore(self, records: list[tuple[BlockKey, tuple[int, ...]]]) -> list[Block]:
+    def restore(self, records: Sequence[tuple[BlockKey, tuple[int, ...]]]) -> list[Block]:
         """READY records for blocks recovered in the slots they had (checked by the caller:
         in range, one per pool, no slot twice), without recency; the caller queues them."""
         for pool, slots in zip(self.pools, zip(*(s for _, s in records))):
@@ -196,7 +199,7 @@ class BlockIndex:
     def evictable(self, block: Block) -> bool:
         return block.state is BlockState.READY and block.claims == 0
 
-    def victims(self, score: Callable[[Block], float]) -> Iterator[Block]:
+    def victims(self, score: Callable[[Block], float]) -> Generator[Block, None, None]:
         """Evictable blocks, lowest score first. A block the caller does not remove is
         queued again when the iteration ends (also when the caller stops right at it).
 

@@ -28,7 +28,7 @@ from kvcr.runtime.memory import MemoryMap
 from kvcr.runtime.ops import DROPPED, FAILED, SUCCESS, Operation, Outbox
 from kvcr.runtime.transfers import Transfers, Xfer
 from kvcr.telemetry import SCOPE_G3_DELIVER
-from kvcr.transport.base import TransportError
+from kvcr.transport.base import Transport, TransportError
 from kvcr.types import (
     BlockKey,
     BlockMeta,
@@ -71,7 +71,7 @@ class LocalG2:
         *,
         memory: MemoryMap,
         index: BlockIndex,
-        transfers: Transfers,
+        transfers: Transfers[Transport],
         outbox: Outbox,
         policy: KVCachePolicy,
         watermark_percent: int,
@@ -126,7 +126,8 @@ class LocalG2:
     def score(self, block: Block) -> float:
         if self._hooks["eviction_score"] is None:  # the base policy: least recently used
             return block.last_access if block.last_access is not None else float("-inf")
-        return self._policy("eviction_score", 0.0, self.meta(block), CacheTier.LOCAL_G2)
+        score: float = self._policy("eviction_score", 0.0, self.meta(block), CacheTier.LOCAL_G2)
+        return score
 
     def _policy(self, hook: str, default: Any, *args: Any) -> Any:
         fn = self._hooks[hook]
@@ -151,7 +152,10 @@ class LocalG2:
     ) -> tuple[PlacementAction, CacheTier | None]:
         if not self._wants("decide_ingest"):
             return default
-        return self._policy("decide_ingest", default, meta, source, required_local, hints, None)
+        decision: tuple[PlacementAction, CacheTier | None] = self._policy(
+            "decide_ingest", default, meta, source, required_local, hints, None
+        )
+        return decision
 
     def ingested(self, block: Block, source: CacheTier) -> None:
         if self._wants("on_ingest"):
@@ -550,7 +554,8 @@ class LocalG2:
             _G3,
             block.position,
         )
-        return self._policy("eviction_score", 0.0, meta, CacheTier.G3)
+        score: float = self._policy("eviction_score", 0.0, meta, CacheTier.G3)
+        return score
 
     def g3_removed(self, keys: list[BlockKey]) -> None:
         """G3 evicted (or stopped trusting) ``keys``: inventory, and ``on_remove`` for those

@@ -16,7 +16,7 @@ disabled``) and the worker goes on; it is enabled again once a snapshot fits.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 from kvcr.guard import journal
 from kvcr.runtime.index import Block, BlockIndex, BlockState
@@ -132,9 +132,12 @@ def recover(
     capacities = [pool.capacity for pool in index.pools]
     taken: list[set[int]] = [set() for _ in capacities]
     records: list[tuple[BlockKey, tuple[int, ...]]] = []
-    kept: dict[BlockKey, journal.Residency] = dict(replay.g3)  # checked by the G3 tier
+    # The one place replayed journal keys (raw bytes) become block keys: the keys that were
+    # put, byte for byte.
+    state = cast("dict[BlockKey, journal.Residency]", replay.state)
+    kept = dict(cast("dict[BlockKey, journal.Residency]", replay.g3))  # checked by the G3 tier
     skipped = 0
-    for key, residency in replay.state.items():
+    for key, residency in state.items():
         slots = residency.values
         if (
             residency.tier != journal.PUT_G2

@@ -14,12 +14,17 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import attrs
 import trio
 
 from kvcr.runtime.transfers import Xfer
 from kvcr.types import BlockKey, MemoryRef, OpEntryResult, OpEntryStatus, OpResult, TransferError
+
+if TYPE_CHECKING:
+    from kvcr.runtime.index import Block
+    from kvcr.runtime.peers import RemotePull
 
 FAILED = OpEntryResult(OpEntryStatus.FAILED)
 DROPPED = OpEntryResult(OpEntryStatus.DROPPED)
@@ -37,12 +42,13 @@ class Operation:
     abandon_at: float
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     aborted: set[BlockKey] = attrs.field(factory=set)
-    xfers: dict[Xfer, frozenset[BlockKey]] = attrs.field(factory=dict)  # in flight -> keys
+    # In flight -> keys: local transfers, and pulls a peer may still write.
+    xfers: dict[Xfer | RemotePull, frozenset[BlockKey]] = attrs.field(factory=dict)
     # Framework memory the operation's transfers touch, reported if it fails mid-flight.
     framework_sources: tuple[BlockKey, ...] = ()
     framework_destinations: tuple[MemoryRef, ...] = ()
     uncertain: bool = False
-    filling: dict[BlockKey, object] = attrs.field(factory=dict)  # deposit: key -> Block
+    filling: dict[BlockKey, Block] = attrs.field(factory=dict)  # deposit: key -> its block
     moved: int = 0  # local keys whose bytes were transferred
     moved_remote: int = 0  # keys a peer wrote
     remote_keys: frozenset[BlockKey] = frozenset()  # keys asked of the hinted peer
@@ -93,7 +99,7 @@ class Outbox:
         op.failure = op.failure or reason
         self.answer(op, dict.fromkeys(list(op.pending), FAILED))
 
-    def xfer_terminal(self, op: Operation, xfer: Xfer) -> None:
+    def xfer_terminal(self, op: Operation, xfer: Xfer | RemotePull) -> None:
         op.xfers.pop(xfer, None)
         if op.uncertain and not op.xfers:
             self.events.append(self._transfer_error(op, "quiesced"))

@@ -29,7 +29,7 @@ import itertools
 import os
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import trio
@@ -43,7 +43,7 @@ from kvcr.runtime.timer import sleeper
 from kvcr.runtime.transfers import Transfers
 from kvcr.transport import messages as m
 from kvcr.transport.auth import UNAUTHENTICATED, PeerAuth, Rejected
-from kvcr.transport.base import TransportError
+from kvcr.transport.base import Transport, TransportError
 from kvcr.types import (
     BlockKey,
 )
@@ -95,7 +95,7 @@ class Peers:
         *,
         channel: Any,
         transport: Any,
-        transfers: Transfers,
+        transfers: Transfers[Transport],
         memory: MemoryMap,
         index: BlockIndex,
         local: Any,
@@ -266,14 +266,16 @@ class Peers:
         message = self.open(raw, "bad_message")
         if message is None:
             return
-        handler = {
+        # Each handler takes the message type it is keyed by.
+        handlers: dict[type, Callable[[Any], None]] = {
             m.Hello: self.source.on_hello,
             m.HelloAck: self._on_hello_ack,
             m.Pull: self.source.on_pull,
             m.Over: self._on_over,
             m.Probe: self.source.on_probe,
             m.ProbeAck: self._on_probe_ack,
-        }.get(type(message))
+        }
+        handler = handlers.get(type(message))
         if handler is None:
             self.drop("unexpected_message", message.TYPE)
             return
@@ -383,7 +385,7 @@ class Peers:
                 self.incarnation,
                 link.incarnation,
                 pull.req,
-                keys,
+                cast("list[bytes]", keys),  # keys are bytes on the wire; Pull only reads them
                 len(self.memory.block_sizes),
                 m.Pull.pack(dst),
             ),
@@ -396,6 +398,7 @@ class Peers:
         if pull.over.is_set() or pull.abandoned:
             return
         pull.abandoned = True
+        assert self.endpoint is not None  # pull() sent nothing without one
         self.send(pull.link.endpoint, m.Probe(self.endpoint, self.incarnation, pull.req, True))
         assert self.nursery is not None
         self.nursery.start_soon(self._watch_abandoned, op, pull)
@@ -410,6 +413,7 @@ class Peers:
             endpoint=pull.link.endpoint,
             reason="no confirmation from the source by abandon_timeout_ms; memory stays held",
         )
+        assert self.endpoint is not None  # pull() sent nothing without one
         self.send(pull.link.endpoint, m.Probe(self.endpoint, self.incarnation, pull.req, True))
 
     def _find_pull(self, endpoint: str, incarnation: int, req: int) -> RemotePull | None:

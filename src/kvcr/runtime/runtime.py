@@ -133,7 +133,7 @@ class Runtime:
         self.index = BlockIndex(pools)
         self._transport_factory = transport_factory
         self.transport: Transport | None = None
-        self.transfers: Transfers | None = None
+        self.transfers: Transfers[Transport] | None = None
         self.local: LocalG2 | None = None
         self.peers: Peers | None = None
         self.remote: Remote | None = None

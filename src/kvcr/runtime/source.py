@@ -22,7 +22,7 @@ and ``quiesced`` follows when the write is terminal. A destination's ``Probe`` w
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import attrs
 import trio
@@ -32,7 +32,7 @@ from kvcr.runtime.pins import Pin
 from kvcr.runtime.transfers import Xfer
 from kvcr.transport import messages as m
 from kvcr.transport.base import TransportError
-from kvcr.types import TransferError
+from kvcr.types import BlockKey, TransferError
 
 if TYPE_CHECKING:
     from kvcr.runtime.peers import Peers
@@ -94,7 +94,12 @@ class SourceJob:
     xfer: Xfer | None = None
     started: float = 0.0
     posted_at: float = 0.0
-    pinned_keys: list[bytes] = attrs.field(factory=list)  # written from engine memory
+    pinned_keys: list[BlockKey] = attrs.field(factory=list)  # written from engine memory
+
+    @property
+    def keys(self) -> list[BlockKey]:
+        """The pull's keys: raw bytes on the wire, the block keys they name from here on."""
+        return cast("list[BlockKey]", self.msg.keys)
 
 
 class Source:
@@ -183,6 +188,7 @@ class Source:
                 msg.sender, m.Over(self.net.my_endpoint(), self.net.incarnation, msg.req, reason)
             )
             return
+        assert agent is not None  # no agent is a reason to refuse
         job = SourceJob(msg, agent)
         self.jobs[key] = job
         job.started = trio.current_time()
@@ -225,11 +231,11 @@ class Source:
 
     async def _pin_missing(self, job: SourceJob, wanted: dict[int, list[int]]) -> None:
         """Ask the engine to pin the keys local G2 does not hold, then write."""
-        msg = job.msg
-        missing = [i for i in range(len(msg.keys)) if i not in wanted]
+        keys = job.keys
+        missing = [i for i in range(len(keys)) if i not in wanted]
         with job.scope:
             pin_started = trio.current_time()
-            pin = await self.pins.pin([msg.keys[i] for i in missing])
+            pin = await self.pins.pin([keys[i] for i in missing])
             self.telemetry.record(
                 "framework_pin_wait",
                 trio.current_time() - pin_started,
@@ -238,11 +244,11 @@ class Source:
             if pin is not None:
                 job.pins.append(pin)
                 for i in missing:
-                    refs = pin.refs.get(msg.keys[i])
+                    refs = pin.refs.get(keys[i])
                     descs = self._resolve_pinned(refs) if refs is not None else None
                     if descs is not None:
                         wanted[i] = descs
-                        job.pinned_keys.append(msg.keys[i])
+                        job.pinned_keys.append(keys[i])
         if job.scope.cancelled_caught:
             self._end_job(job, "cancelled")
             return
@@ -283,7 +289,7 @@ class Source:
         bases = self.memory.pool_base
         get, claim, claims = self.index.blocks.get, self.local.claim, job.claims
         ready = BlockState.READY
-        for i, key in enumerate(job.msg.keys):
+        for i, key in enumerate(job.keys):
             block = get(key)
             if block is not None and block.state is ready:
                 claim(block, now)

@@ -17,12 +17,13 @@ NIXL, so a slower poll here is latency added to every peer transfer.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
 
 import attrs
 import trio
 
 from kvcr.runtime.timer import sleeper
-from kvcr.transport.base import Transport, XferState
+from kvcr.transport.base import Transport, XferPoller, XferState
 
 FAST_POLL_S = 0.0002  # while a busy period is young (with the fine timer)
 FAST_WINDOW_S = 0.01
@@ -43,8 +44,14 @@ class Xfer:
         return self.state is XferState.DONE
 
 
-class Transfers:
-    def __init__(self, transport: Transport, log: object, fine: bool = False) -> None:
+_T = TypeVar("_T", bound=XferPoller)
+
+
+class Transfers(Generic[_T]):
+    """Generic in the transport: local copies (``start``) need a full :class:`Transport`;
+    following transfers posted elsewhere (``track``) only an :class:`XferPoller`."""
+
+    def __init__(self, transport: _T, log: Any, fine: bool = False) -> None:
         self.transport = transport
         self._fine = fine
         self._log = log
@@ -58,7 +65,7 @@ class Transfers:
         return len(self._in_flight)
 
     def start(
-        self,
+        self: Transfers[Transport],
         dst: Sequence[int],
         src: Sequence[int],
         what: str,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 
@@ -56,13 +56,25 @@ class Segment:
         return self.addr + index * self.pitch
 
 
+class XferPoller(Protocol):
+    """What following a posted transfer needs (a :class:`Transport`, or the G3 file
+    transport, which posts its own kind of transfer)."""
+
+    def poll(self, xfer: Any) -> XferState: ...
+
+    def release(self, xfer: Any) -> None: ...
+
+
 class Transport(Protocol):
     agent_name: str
 
     def open_local(self, segments: Sequence[Segment]) -> None:
         """Register the segments and prepare their descriptors (once, at startup)."""
 
-    def post_local_read(self, dst: Sequence[int], src: Sequence[int], what: str) -> object:
+    # Transfer handles are opaque to the runtime and each transport has its own type (NIXL's
+    # handle, the fake's FakeXfer): the interface types them as Any.
+
+    def post_local_read(self, dst: Sequence[int], src: Sequence[int], what: str) -> Any:
         """Copy descriptor ``src[i]`` into ``dst[i]`` for every i; returns a transfer handle.
         ``what`` names the operation for error messages."""
 
@@ -86,7 +98,7 @@ class Transport(Protocol):
         peer: str,
         notif: bytes,
         what: str,
-    ) -> object:
+    ) -> Any:
         """One write of local descriptor ``src[i]`` into the peer's ``dst[i]`` (address,
         size; the size must be the descriptor's), then ``notif`` to the peer, which sees it
         in ``notifications()`` only after all the data. Returns a transfer handle."""
@@ -100,11 +112,11 @@ class Transport(Protocol):
 
     # -- transfers ---------------------------------------------------------------------------
 
-    def poll(self, xfer: object) -> XferState:
+    def poll(self, xfer: Any) -> XferState:
         """The transfer's state. May raise TransportError when the transfer failed with a
         reason (for example the peer died): it is then over, as with ERR."""
 
-    def release(self, xfer: object) -> None:
+    def release(self, xfer: Any) -> None:
         """Free the handle of a terminal transfer. (On a transfer still in flight it tries
         to cancel it, and raises TransportError if it cannot.)"""
 

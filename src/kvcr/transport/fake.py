@@ -215,13 +215,30 @@ class FakeTransport:
             pairs.append((daddr, saddr, dlen))
         return self._post(pairs, what)
 
-    def _post(self, pairs: list[tuple[int, int, int]], what: str, **remote: object) -> FakeXfer:
+    def _post(
+        self,
+        pairs: list[tuple[int, int, int]],
+        what: str,
+        *,
+        peer: FakeTransport | None = None,
+        notif: bytes = b"",
+        sender: str = "",
+    ) -> FakeXfer:
         behavior = self.script.popleft() if self.script else Behavior()
         if behavior.refuse:
             raise TransportError(f"{what}: fake transport refused the transfer")
         if self.dead:
             behavior = NEVER
-        xfer = FakeXfer(next(self._ids), pairs, what, behavior, self._clock(), **remote)
+        xfer = FakeXfer(
+            next(self._ids),
+            pairs,
+            what,
+            behavior,
+            self._clock(),
+            peer=peer,
+            notif=notif,
+            sender=sender,
+        )
         self.posted.append(xfer)
         return xfer
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import array
 import reprlib
 import sys
+import types
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -210,7 +211,12 @@ def _strict_converter() -> cattrs.Converter:
                     raise TypeError(f"[{i}]: expected {item.__name__}, got {type(x).__name__}")
             return value
 
-        converter.register_structure_hook_func(lambda t, item=item: t == list[item], list_hook)
+        list_of_item = types.GenericAlias(list, (item,))  # list[item]
+
+        def is_list_of(t: Any, alias: Any = list_of_item) -> bool:
+            return bool(t == alias)
+
+        converter.register_structure_hook_func(is_list_of, list_hook)
     return converter
 
 
@@ -219,7 +225,10 @@ _converter = _strict_converter()
 
 def encode(message: Message) -> bytes:
     body = _converter.unstructure(message)
-    return msgpack.packb({"v": PROTOCOL_VERSION, "t": message.TYPE, **body}, use_bin_type=True)
+    packed: bytes = msgpack.packb(
+        {"v": PROTOCOL_VERSION, "t": message.TYPE, **body}, use_bin_type=True
+    )
+    return packed
 
 
 def decode(data: bytes) -> Message:

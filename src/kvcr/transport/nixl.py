@@ -38,6 +38,7 @@ from kvcr.transport.base import Segment, TransportError, XferState
 try:
     from nixl_cu13._api import nixl_agent, nixl_agent_config
 except ImportError:  # the meta package's shim, where it is installed instead
+    # no-redef: the same two names, bound by whichever package is installed.
     from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[no-redef]
 
 _STATES = {"DONE": XferState.DONE, "PROC": XferState.PROC, "ERR": XferState.ERR}

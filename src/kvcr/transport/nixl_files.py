@@ -19,6 +19,7 @@ from kvcr.transport.base import Segment, TransportError, XferState
 try:
     from nixl_cu13._api import nixl_agent, nixl_agent_config
 except ImportError:  # the meta package's shim, where it is installed instead
+    # no-redef: the same two names, bound by whichever package is installed.
     from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[no-redef]
 
 _STATES = {"DONE": XferState.DONE, "PROC": XferState.PROC, "ERR": XferState.ERR}
@@ -60,7 +61,7 @@ class NixlFileTransport:
 
     def post(
         self, op: str, local: Sequence[int], ranges: Sequence[tuple[int, int]], what: str
-    ) -> object:
+    ) -> Any:
         """``op`` "WRITE" (host -> file) or "READ" (file -> host): local descriptor
         ``local[i]`` with file range ``ranges[i]`` = (file index, offset), same size."""
         try:
@@ -83,13 +84,13 @@ class NixlFileTransport:
             raise TransportError(f"{what}: G3 {op.lower()} failed at post")
         return handle
 
-    def poll(self, xfer: object) -> XferState:
+    def poll(self, xfer: Any) -> XferState:
         try:
             return _STATES[self._agent.check_xfer_state(xfer)]
         except Exception as exc:
             raise TransportError(f"G3 transfer failed: {exc}") from exc
 
-    def release(self, xfer: object) -> None:
+    def release(self, xfer: Any) -> None:
         try:
             self._agent.release_xfer_handle(xfer)
         except Exception as exc:
