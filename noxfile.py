@@ -43,10 +43,13 @@ def install(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff check and ruff format --check over the whole repo."""
+    """ruff check and ruff format --check over the whole repo, mypy over src/ (settings in
+    pyproject.toml), and hadolint over the quick-start image."""
     install(session)
     session.run("ruff", "check", ".", *session.posargs)
     session.run("ruff", "format", "--check", ".")
+    session.run("mypy")
+    session.run("hadolint", "Dockerfile.quick-start")
 
 
 @nox.session
