@@ -1,4 +1,4 @@
-"""Developer sessions: ``uv run nox`` (lint, unit, integration) or ``uv run nox -s NAME``.
+"""Developer sessions: ``uv run nox`` (lint, unit, integration, fuzz) or ``uv run nox -s NAME``.
 
 Each session gets its own virtualenv under ``.nox/`` (created by uv) and installs the project
 with its ``dev`` dependency group from ``uv.lock``, exactly as ``uv sync`` does for ``.venv``.
@@ -15,7 +15,7 @@ from pathlib import Path
 import nox
 
 nox.options.default_venv_backend = "uv"
-nox.options.sessions = ["lint", "unit", "integration"]  # not bench, not soak
+nox.options.sessions = ["lint", "unit", "integration", "fuzz"]  # not bench, not soak
 
 # Defaults for NIXL/UCX: loopback only, fast first agent start, no INFO chatter on stdout.
 NIXL_ENV = {
@@ -64,6 +64,13 @@ def integration(session: nox.Session) -> None:
     """Integration tests: real NIXL, ZMQ sockets, subprocesses (``-- ARGS`` go to pytest)."""
     install(session)
     session.run("pytest", "tests/integration", *session.posargs, env=NIXL_ENV)
+
+
+@nox.session
+def fuzz(session: nox.Session) -> None:
+    """Hypothesis fuzzing of every outside input (``KVCR_FUZZ_EXAMPLES=N`` scales it)."""
+    install(session)
+    session.run("pytest", "tests/fuzz", *session.posargs, env=NIXL_ENV)
 
 
 @nox.session
