@@ -172,3 +172,12 @@ async def share(source: Worker, dest: Worker, keys: list[int], request_id: str =
     await source.deposit([(k, k) for k in keys])
     dest.kv.submit_hint(dest.hint(source, keys), request_id=request_id)
     await trio.sleep(0.01)
+
+
+async def greet_and_lose(world: World, dest: Worker, name: str = "a") -> None:
+    """A source at ``name``'s endpoint is hinted to ``dest``, greeted, and then its process
+    is gone (closed); a successor may start at the same endpoint next."""
+    source = Worker(world, name)
+    async with source.running():
+        dest.kv.submit_hint(dest.hint(source, [0]), request_id="r")
+        await trio.sleep(0.01)

@@ -13,7 +13,7 @@ import trio
 from kvcr.logs import capture_events
 from kvcr.transport import messages as m
 from kvcr.types import CacheTier, QueryStatus
-from peer_world import Worker, World, key, share
+from peer_world import Worker, World, greet_and_lose, key, share
 
 REMOTE = (QueryStatus.FETCHABLE, CacheTier.REMOTE_G2)
 HIT = (QueryStatus.HIT, CacheTier.LOCAL_G2)
@@ -258,10 +258,7 @@ async def test_a_pull_turned_away_by_a_restarted_source_is_asked_again_once(auto
     world = World()
     b = Worker(world, "b")
     async with b.running():
-        first = Worker(world, "a")
-        async with first.running():
-            b.kv.submit_hint(b.hint(first, [0]), request_id="r")
-            await trio.sleep(0.01)
+        await greet_and_lose(world, b)
         old_incarnation = world.sent("hello_ack")[0].incarnation
 
         second = Worker(world, "a")  # the same endpoint and agent name, a new process
@@ -283,10 +280,7 @@ async def test_a_late_message_of_a_replaced_incarnation_is_stale(autojump_clock)
     world = World()
     b = Worker(world, "b")
     async with b.running():
-        first = Worker(world, "a")
-        async with first.running():
-            b.kv.submit_hint(b.hint(first, [0]), request_id="r")
-            await trio.sleep(0.01)
+        await greet_and_lose(world, b)
         old = world.sent("hello_ack")[0]
 
         second = Worker(world, "a")  # the successor at the same endpoint
@@ -316,10 +310,7 @@ async def test_a_pull_waiting_for_a_greeting_goes_ahead_when_yet_another_process
     world = World()
     b = Worker(world, "b")
     async with b.running():
-        first = Worker(world, "a")
-        async with first.running():
-            b.kv.submit_hint(b.hint(first, [0]), request_id="r")
-            await trio.sleep(0.01)
+        await greet_and_lose(world, b)
         # Nobody answers at the endpoint: the pull fails at its deadline and is probed.
         assert statuses(await b.deliver([(0, 10)])) == {key(0): "FAILED"}
         second = Worker(world, "a")
