@@ -8,6 +8,7 @@ import reprlib
 from typing import Any
 
 import cattrs
+import msgpack
 
 
 def describe(exc: BaseException, path: str = "") -> str:
@@ -47,3 +48,10 @@ def strict_scalars(converter: cattrs.Converter, types: tuple[type, ...]) -> None
             return value
 
         converter.register_structure_hook(cls, hook)
+
+
+def pack(converter: cattrs.Converter, version: int, message: Any) -> bytes:
+    """The msgpack map both protocols send: ``{"v": version, "t": TYPE, ...fields}``."""
+    body = converter.unstructure(message)
+    packed: bytes = msgpack.packb({"v": version, "t": message.TYPE, **body}, use_bin_type=True)
+    return packed

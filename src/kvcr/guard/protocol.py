@@ -39,7 +39,7 @@ from cattrs.gen import make_dict_structure_fn
 from cattrs.preconf.msgpack import make_converter
 
 from kvcr.errors import KVCRMsgFramingError, KVCRSocketError
-from kvcr.wire import describe, strict_scalars
+from kvcr.wire import describe, pack, strict_scalars
 
 PROTOCOL_VERSION = 1
 MAX_FRAME = 1 << 20
@@ -393,11 +393,7 @@ _converter = _strict_converter()
 
 def encode(message: Message) -> bytes:
     """The msgpack body of ``message`` (no length prefix)."""
-    body = _converter.unstructure(message)
-    packed: bytes = msgpack.packb(
-        {"v": PROTOCOL_VERSION, "t": message.TYPE, **body}, use_bin_type=True
-    )
-    return packed
+    return pack(_converter, PROTOCOL_VERSION, message)
 
 
 def encode_frame(message: Message) -> bytes:

@@ -37,7 +37,7 @@ import cattrs
 import msgpack
 from cattrs.preconf.msgpack import make_converter
 
-from kvcr.wire import describe, strict_scalars
+from kvcr.wire import describe, pack, strict_scalars
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 16 << 20
@@ -224,11 +224,7 @@ _converter = _strict_converter()
 
 
 def encode(message: Message) -> bytes:
-    body = _converter.unstructure(message)
-    packed: bytes = msgpack.packb(
-        {"v": PROTOCOL_VERSION, "t": message.TYPE, **body}, use_bin_type=True
-    )
-    return packed
+    return pack(_converter, PROTOCOL_VERSION, message)
 
 
 def decode(data: bytes) -> Message:
