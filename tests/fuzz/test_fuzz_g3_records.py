@@ -136,6 +136,7 @@ async def _store_damage_read(directory: Path, damage: list[tuple[int, int, bytes
                 Segment("region", region.ctypes.data, TIER_BLOCK, HOST),
             ],
             [(f.fd, f.size) for f in files.files],
+            files.slot_rows(),
         )
         log = get_logger("kvcr.test")
         transfers = Transfers(transport, log, fine=True)

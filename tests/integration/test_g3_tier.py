@@ -41,6 +41,7 @@ class World:
                 Segment("region", self.region.ctypes.data, BLOCK, HOST),
             ],
             [(f.fd, f.size) for f in self.files.files],
+            self.files.slot_rows(),
         )
         self.removed: list[bytes] = []
         self.scores: dict[bytes, float] = {}

@@ -31,12 +31,11 @@ def test_blocks_go_to_striped_file_slots_and_come_back_byte_exact(tmp_path) -> N
         t.open(
             [Segment("src", src.ctypes.data, BLOCK, 6), Segment("dst", dst.ctypes.data, BLOCK, 6)],
             [(f.fd, f.size) for f in files.files],
+            files.slot_rows(),
         )
-        slots = [3, 0, 7, 12, 5, 9]
-        places = [files.place(s) for s in slots]
-        ranges = [(f.index, offset) for f, offset in places]
-        assert wait(t, t.post("WRITE", range(6), ranges, "store")) is XferState.DONE
-        assert wait(t, t.post("READ", range(6, 12), ranges, "fill")) is XferState.DONE
+        slots = files.positions([3, 0, 7, 12, 5, 9])
+        assert wait(t, t.post("WRITE", list(range(6)), slots, "store")) is XferState.DONE
+        assert wait(t, t.post("READ", list(range(6, 12)), slots, "fill")) is XferState.DONE
         assert np.array_equal(src, dst)
         # The bytes are where the stripe says: slot 3 is the second slot of file 1.
         with open(files.files[1].path, "rb") as f:

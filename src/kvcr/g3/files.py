@@ -31,7 +31,7 @@ import hashlib
 import os
 import struct
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import attrs
@@ -130,6 +130,16 @@ class G3Files:
         """The file holding global ``slot`` and the slot's byte offset in it."""
         f = self.files[slot % len(self.files)]
         return f, self.area + (slot // len(self.files)) * self.block
+
+    def slot_rows(self) -> list[tuple[int, int, int, int, int]]:
+        """Every slot, as one strided row per file: ``(offset, size, fd, pitch, count)``, file
+        after file (how NIXL takes a prepared descriptor list of the slots)."""
+        return [(self.area, self.block, f.fd, self.block, self.slots_per_file) for f in self.files]
+
+    def positions(self, slots: Sequence[int]) -> list[int]:
+        """Where each of ``slots`` is in :meth:`slot_rows` order."""
+        n, per = len(self.files), self.slots_per_file
+        return [s % n * per + s // n for s in slots]
 
     # -- files -------------------------------------------------------------------------------
 

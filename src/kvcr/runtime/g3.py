@@ -227,9 +227,9 @@ class G3Tier:
     async def _move(
         self, op: str, descriptors: list[int], blocks: list[Block], what: str
     ) -> Xfer | None:
-        ranges = [(f.index, offset) for f, offset in (self.files.place(b.slots[0]) for b in blocks)]
+        slots = self.files.positions([b.slots[0] for b in blocks])
         try:
-            handle = self.transport.post(op, descriptors, ranges, what)
+            handle = self.transport.post(op, descriptors, slots, what)
         except TransportError as exc:
             self.log.warning("g3_transfer_failed", op=op, what=what, error=str(exc))
             return None

@@ -224,7 +224,9 @@ class Runtime:
             transport = NixlFileTransport(
                 f"{self.config.nixl_agent_name}-g3", opts.backend, dict(opts.backend_options)
             )
-            transport.open(self.memory.segments, [(f.fd, f.size) for f in files.files])
+            transport.open(
+                self.memory.segments, [(f.fd, f.size) for f in files.files], files.slot_rows()
+            )
         except BaseException:
             files.close()
             raise

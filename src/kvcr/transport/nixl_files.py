@@ -4,15 +4,21 @@ A NIXL agent of its own, with only the file backend (``POSIX`` on CPU-only machi
 any NIXL file backend by name, with its options passed through), so that the peer agent's
 UCX set-up is untouched. It registers the same host segments as the main transport, in the
 same order, so descriptor indices mean the same thing in both; and the G3 files, each as
-one FILE region. A transfer is one batch: host descriptors on one side, ``(file, offset,
-size)`` ranges on the other, posted as one NIXL transfer (the agent names itself as the
-remote, as NIXL wants for file I/O).
+one FILE region. A transfer is one batch: host descriptors on one side, file slots on the
+other, posted as one NIXL transfer (the agent names itself as the remote, as NIXL wants for
+file I/O).
+
+Both sides are prepared once, as NIXL descriptor lists of every host element and every file
+slot, and a transfer picks from them by index: building a 256-descriptor transfer from
+address tuples costs ~330 µs of the ~2 ms a batch of 64 KiB blocks takes, picking ~50 µs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from kvcr.transport.base import Segment, TransportError, XferState
 
@@ -38,44 +44,38 @@ class NixlFileTransport:
                 f"G3: NIXL file backend {backend!r} failed to start (options {options}): {exc}"
             ) from exc
         self._registrations: list[Any] = []
-        self._local: list[tuple[int, int]] = []  # descriptor index -> (address, size)
-        self._files: list[tuple[int, int]] = []  # file index -> (fd, size)
+        self._prepared: list[Any] = []  # [host elements, file slots]
 
-    def open(self, segments: Sequence[Segment], files: Sequence[tuple[int, int]]) -> None:
-        """Register the host segments (all their elements, in order) and the files."""
+    def open(
+        self, segments: Sequence[Segment], files: Sequence[tuple[int, int]], slots: Sequence[Any]
+    ) -> None:
+        """Register the host segments (at least one) and the files (``(fd, size)`` each), and prepare the
+        descriptor lists: every host element, segment after segment, and the file slots as
+        ``slots`` lists them (rows of ``(offset, size, fd, pitch, count)``: ``count`` slots
+        of ``size`` bytes, ``pitch`` apart from ``offset`` in file ``fd``), whose order the
+        slot indices of :meth:`post` refer to."""
         try:
-            if segments:
-                self._registrations.append(
-                    self._agent.register_memory([(s.addr, s.span, 0, "") for s in segments], "DRAM")
-                )
+            self._registrations.append(
+                self._agent.register_memory([(s.addr, s.span, 0, "") for s in segments], "DRAM")
+            )
             self._registrations.append(
                 self._agent.register_memory([(0, size, fd, "") for fd, size in files], "FILE")
             )
+            host = [(s.addr, s.element_size, 0, s.pitch, s.count) for s in segments]
+            self._prepared = [
+                self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", np.array(host, np.int64), "DRAM"),
+                self._agent.prep_xfer_dlist(self.agent_name, np.array(slots, np.int64), "FILE"),
+            ]
         except Exception as exc:
             self.close()
             raise TransportError(f"G3: cannot register memory or files with NIXL: {exc}") from exc
-        self._local = [
-            (s.element_addr(i), s.element_size) for s in segments for i in range(s.count)
-        ]
-        self._files = list(files)
 
-    def post(
-        self, op: str, local: Sequence[int], ranges: Sequence[tuple[int, int]], what: str
-    ) -> Any:
-        """``op`` "WRITE" (host -> file) or "READ" (file -> host): local descriptor
-        ``local[i]`` with file range ``ranges[i]`` = (file index, offset), same size."""
+    def post(self, op: str, local: Sequence[int], slots: Sequence[int], what: str) -> Any:
+        """``op`` "WRITE" (host -> file) or "READ" (file -> host) between host descriptor
+        ``local[i]`` and prepared file slot ``slots[i]``, of the same size."""
         try:
-            host = [(*self._local[d], 0) for d in local]
-            remote = [
-                (offset, size, self._files[f][0])
-                for (f, offset), (_, size) in zip(ranges, (self._local[d] for d in local))
-            ]
-            handle = self._agent.initialize_xfer(
-                op,
-                self._agent.get_xfer_descs(host, "DRAM"),
-                self._agent.get_xfer_descs(remote, "FILE"),
-                self.agent_name,
-            )
+            host, files = self._prepared
+            handle = self._agent.make_prepped_xfer(op, host, local, files, slots)
             state = self._agent.transfer(handle)
         except Exception as exc:
             raise TransportError(f"{what}: G3 {op.lower()} could not be posted: {exc}") from exc
@@ -98,5 +98,7 @@ class NixlFileTransport:
 
     def close(self) -> None:
         """Deregister everything. Only when no transfer is in flight."""
+        while self._prepared:
+            self._agent.release_dlist_handle(self._prepared.pop())
         while self._registrations:
             self._agent.deregister_memory(self._registrations.pop())
