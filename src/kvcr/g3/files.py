@@ -31,7 +31,7 @@ import hashlib
 import os
 import struct
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import attrs
@@ -201,6 +201,21 @@ class G3Files:
         raw = os.pread(fd, len(header) + CRC.size, 0)
         return raw == header + CRC.pack(zlib.crc32(header))
 
+    def readable(self, slots: Iterable[int]) -> set[int]:
+        """The indices of the files holding ``slots`` that are still whole and linked (one
+        ``fstat`` each): worth reading from, to be verified after the read."""
+        n = len(self.files)
+        out = set()
+        for i in {s % n for s in slots}:
+            f = self.files[i]
+            try:
+                st = os.fstat(f.fd)
+            except OSError:
+                continue
+            if st.st_nlink > 0 and st.st_size == f.size:
+                out.add(i)
+        return out
+
     def file_ok(self, f: G3File) -> bool:
         """False once the file was deleted, replaced at its path, or truncated."""
         try:
@@ -225,41 +240,53 @@ class G3Files:
     def read_record(self, slot: int) -> Record | None:
         return self.read_records([slot])[slot]
 
-    def _runs(self, slots: list[int]) -> list[tuple[G3File, int, list[int]]]:
-        """``slots`` grouped into runs of consecutive records in one file: (file, offset of
-        the first record, the run's slots in order). Sorted by (file, slot): slots are
-        striped, so in plain slot order every neighbour is in another file and a batch of
-        consecutive slots would be one syscall per record instead of one per file."""
-        n = len(self.files)
+    def _runs(self, slots: Iterable[int]) -> list[tuple[G3File, int, list[int]]]:
+        """``slots`` grouped into runs of consecutive records in one file: (file, local
+        index of the run's first slot, the run's slots in order). Slots are striped, so in
+        plain slot order every neighbour is in another file and a batch of consecutive slots
+        would be one syscall per record instead of one per file: runs follow the order of
+        :meth:`positions` (file by file), where they are plain consecutive numbers."""
+        n, per = len(self.files), self.slots_per_file
         runs: list[tuple[G3File, int, list[int]]] = []
-        for slot in sorted(slots, key=lambda s: (s % n, s)):
-            f, local = self.files[slot % n], slot // n
-            offset = RECORD_SIZE * (1 + local)
-            if runs and runs[-1][0] is f and runs[-1][1] + RECORD_SIZE * len(runs[-1][2]) == offset:
-                runs[-1][2].append(slot)
-            else:
-                runs.append((f, offset, [slot]))
+        current: list[int] = []
+        last = -2
+        for p in sorted(s % n * per + s // n for s in slots):
+            local = p % per
+            if p != last + 1 or local == 0:
+                current = []
+                runs.append((self.files[p // per], local, current))
+            current.append(local * n + p // per)
+            last = p
         return runs
 
     def write_records(self, records: Mapping[int, Record | None]) -> None:
         """Write (or clear, for None) many slots' records: one pwrite per run."""
-        n = len(self.files)
-        for f, offset, slots in self._runs(list(records)):
-            expected = self._expected[f.index]
-            start = offset - RECORD_SIZE  # the mirror has no file header
-            for s in slots:
-                at = (s // n) * RECORD_SIZE
-                record = records[s]
-                expected[at : at + RECORD_SIZE] = (
-                    bytes(RECORD_SIZE) if record is None else encode_record(record)
-                )
-            os.pwrite(f.fd, memoryview(expected)[start : start + RECORD_SIZE * len(slots)], offset)
+        empty = bytes(RECORD_SIZE)
+        self._write({s: empty if r is None else encode_record(r) for s, r in records.items()})
+
+    def vouch(self, slots: Sequence[int], keys: Sequence[bytes], generation: int) -> None:
+        """Record that ``slots[i]`` holds ``keys[i]`` as stored in generation
+        ``generation + i`` (the record of :meth:`write_records`, without a
+        :class:`Record` a slot: this is every store's path)."""
+        pack, crc, pad = RECORD.pack, zlib.crc32, bytes(RECORD_SIZE - RECORD.size - CRC.size)
+        raw = {}
+        for i, (slot, key) in enumerate(zip(slots, keys)):
+            body = pack(RECORD_MAGIC, generation + i, key_digest(key), 0)
+            raw[slot] = body + CRC.pack(crc(body)) + pad
+        self._write(raw)
+
+    def _write(self, raw: Mapping[int, bytes]) -> None:
+        for f, first, run in self._runs(raw):
+            data = b"".join([raw[s] for s in run])
+            at = RECORD_SIZE * first  # the mirror has no file header
+            self._expected[f.index][at : at + len(data)] = data
+            os.pwrite(f.fd, data, RECORD_SIZE + at)
 
     def read_records(self, slots: list[int]) -> dict[int, Record | None]:
         """Many slots' records: one pread per run."""
         out: dict[int, Record | None] = {}
-        for f, offset, run in self._runs(slots):
-            data = os.pread(f.fd, RECORD_SIZE * len(run), offset)
+        for f, first, run in self._runs(slots):
+            data = os.pread(f.fd, RECORD_SIZE * len(run), RECORD_SIZE * (1 + first))
             for i, slot in enumerate(run):
                 out[slot] = decode_record(data[i * RECORD_SIZE : (i + 1) * RECORD_SIZE])
         return out
@@ -269,7 +296,7 @@ class G3Files:
         records still vouch for; each file is checked once. The records found sound become
         the ones :meth:`check_written` expects."""
         n = len(self.files)
-        sound = {f.index for f in {self.files[s % n] for s in expected} if self.file_ok(f)}
+        sound = self._sound_files(expected)
         candidates = [s for s in expected if s % n in sound]
         records = self.read_records(candidates)
         ok = set()
@@ -292,20 +319,25 @@ class G3Files:
         same guarantee as :meth:`check_many` for the key and generation recorded then, at
         the cost of one read and one comparison per run of records."""
         n = len(self.files)
-        sound = {f.index for f in {self.files[s % n] for s in slots} if self.file_ok(f)}
+        sound = self._sound_files(slots)
         ok: set[int] = set()
-        for f, offset, run in self._runs([s for s in slots if s % n in sound]):
+        for f, first, run in self._runs([s for s in slots if s % n in sound]):
             size = RECORD_SIZE * len(run)
-            data = os.pread(f.fd, size, offset)
-            expected = memoryview(self._expected[f.index])[offset - RECORD_SIZE :][:size]
-            if data == expected:
-                ok.update(s for i, s in enumerate(run) if expected[i * RECORD_SIZE] != 0)
+            data = os.pread(f.fd, size, RECORD_SIZE * (1 + first))
+            expected = memoryview(self._expected[f.index])[RECORD_SIZE * first :][:size]
+            if data == expected and 0 not in bytes(expected[::RECORD_SIZE]):
+                ok.update(run)  # the usual case: all as written, none cleared
                 continue
-            for i, s in enumerate(run):  # some differ: slot by slot
+            for i, s in enumerate(run):  # slot by slot
                 mine = expected[i * RECORD_SIZE : (i + 1) * RECORD_SIZE]
                 if mine[0] != 0 and data[i * RECORD_SIZE : (i + 1) * RECORD_SIZE] == mine:
                     ok.add(s)
         return ok
+
+    def _sound_files(self, slots: Iterable[int]) -> set[int]:
+        """The indices of the files holding ``slots`` that :meth:`file_ok` still trusts."""
+        n = len(self.files)
+        return {i for i in {s % n for s in slots} if self.file_ok(self.files[i])}
 
     def check(self, slot: int, key: bytes, generation: int) -> bool:
         """True if ``slot`` still holds ``key`` as stored in ``generation``, in a sound file."""

@@ -12,8 +12,9 @@ The eviction queue is a lazy min-heap of ``(score, seq, key, version)``: a recor
 taken from the policy whenever its metadata changes (and its ``version`` bumps), stale heap
 entries are skipped when popped, and the heap is rebuilt when stale entries dominate.
 
-``view`` is the published answer to ``query`` for local G2: engine threads read it
-without locks (single dict lookups are atomic in CPython); only the runtime writes it.
+``view`` is the published answer to ``query`` (``ready`` for committed keys, ``filling``
+for keys being filled, if the tier publishes those): engine threads read it without locks
+(single dict lookups are atomic in CPython); only the runtime writes it.
 """
 
 from __future__ import annotations
@@ -55,6 +56,15 @@ class SlotPool:
     def take(self) -> int:
         return self._free.pop()
 
+    def take_many(self, count: int) -> list[int]:
+        """``count`` free slots (the next ones :meth:`take` would hand out), ascending."""
+        if count > len(self._free):
+            raise IndexError(f"pool {self.name!r}: {count} slots wanted, {len(self._free)} free")
+        taken = self._free[len(self._free) - count :]
+        del self._free[len(self._free) - count :]
+        taken.sort()
+        return taken
+
     def release(self, slot: int) -> None:
         self._free.append(slot)
 
@@ -92,13 +102,21 @@ class JournalSink(Protocol):
 
 
 class BlockIndex:
-    def __init__(self, pools: list[SlotPool]) -> None:
+    def __init__(
+        self,
+        pools: list[SlotPool],
+        ready: tuple[QueryStatus, CacheTier] = HIT,
+        filling: tuple[QueryStatus, CacheTier] | None = FETCHING,
+        view: dict[BlockKey, tuple[QueryStatus, CacheTier]] | None = None,
+    ) -> None:
         self.pools = pools
+        self._ready = ready
+        self._filling = filling
         # Committed changes are mirrored here; buffered ones are flushed before any slot is
         # handed out again, so a removal is always published before its slot is rewritten.
         self.journal: JournalSink | None = None
         self.blocks: dict[BlockKey, Block] = {}
-        self.view: dict[BlockKey, tuple[QueryStatus, CacheTier]] = {}
+        self.view: dict[BlockKey, tuple[QueryStatus, CacheTier]] = {} if view is None else view
         self._heap: list[tuple[float, int, BlockKey, int]] = []
         self._seq = itertools.count()
 
@@ -125,21 +143,32 @@ class BlockIndex:
                 raise KeyError(f"block index: key {key!r} already has a record")
         if self.journal is not None:
             self.journal.flush()
-        per_pool = [sorted(pool.take() for _ in keys) for pool in self.pools]
-        blocks = []
-        for i, key in enumerate(keys):
-            block = Block(key, tuple(slots[i] for slots in per_pool), last_access=now)
-            self.blocks[key] = block
-            self.view[key] = FETCHING
-            blocks.append(block)
+        per_pool = [pool.take_many(len(keys)) for pool in self.pools]
+        blocks = [Block(key, slots, last_access=now) for key, slots in zip(keys, zip(*per_pool))]
+        self.blocks.update(zip(keys, blocks))
+        if self._filling is not None:
+            self.view.update(dict.fromkeys(keys, self._filling))
         return blocks
 
     def commit(self, block: Block, score: float) -> None:
         block.state = BlockState.READY
-        self.view[block.key] = HIT
+        self.view[block.key] = self._ready
         self.rescore(block, score)
         if self.journal is not None:
             self.journal.committed(block.key, block.slots)
+
+    def commit_many(self, blocks: Sequence[Block], scores: Sequence[float]) -> None:
+        """:meth:`commit` for a batch (the blocks are held, FILLING, and carry no journal)."""
+        assert self.journal is None, "commit_many: journaled indexes commit one by one"
+        ready, heap, seq, push = BlockState.READY, self._heap, self._seq, heapq.heappush
+        for block, score in zip(blocks, scores):
+            block.state = ready
+            block.version += 1
+            block.queued = True
+            push(heap, (score, next(seq), block.key, block.version))
+        self.view.update(dict.fromkeys([b.key for b in blocks], self._ready))
+        if len(heap) > 2 * len(self.blocks) + 64:
+            self._compact()
 
     def flush_journal(self) -> None:
         if self.journal is not None:
@@ -154,7 +183,7 @@ class BlockIndex:
         for key, slots in records:
             block = Block(key, slots, state=BlockState.READY)
             self.blocks[key] = block
-            self.view[key] = HIT
+            self.view[key] = self._ready
             blocks.append(block)
         return blocks
 
@@ -195,6 +224,26 @@ class BlockIndex:
         (skipped when popped) and whoever drops the last claim queues it again."""
         block.version += 1
         block.queued = False
+
+    def evict(self, wanted: int) -> list[Block]:
+        """Remove up to ``wanted`` evictable blocks, lowest score first, and return them:
+        :meth:`victims` for a tier that drops whatever it evicts, without a step per block
+        through a generator. Claimed blocks met on the way leave the queue, as there."""
+        heap, blocks, pop = self._heap, self.blocks, heapq.heappop
+        ready = BlockState.READY
+        out: list[Block] = []
+        while heap and len(out) < wanted:
+            _, _, key, version = pop(heap)
+            block = blocks.get(key)
+            if block is None or block.version != version:
+                continue
+            if block.state is not ready or block.claims:
+                block.queued = False
+                continue
+            out.append(block)
+        for block in out:
+            self.remove(block)
+        return out
 
     def evictable(self, block: Block) -> bool:
         return block.state is BlockState.READY and block.claims == 0

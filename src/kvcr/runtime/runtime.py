@@ -241,8 +241,8 @@ class Runtime:
             log=self.log,
             telemetry=self.telemetry,
             journal=self.mirror,
+            view=self.g3_view,
         )
-        self.g3.view = self.g3_view
         local.g3, local.spawn = self.g3, root.start_soon
         if self.mirror is not None:
             restored = self.g3.restore(dict(self.mirror.g3_records))
