@@ -70,7 +70,7 @@ class NixlFileTransport:
             self.close()
             raise TransportError(f"G3: cannot register memory or files with NIXL: {exc}") from exc
 
-    def post(self, op: str, local: Sequence[int], slots: Sequence[int], what: str) -> Any:
+    def post(self, op: str, local: list[int], slots: list[int], what: str) -> Any:
         """``op`` "WRITE" (host -> file) or "READ" (file -> host) between host descriptor
         ``local[i]`` and prepared file slot ``slots[i]``, of the same size."""
         try:
