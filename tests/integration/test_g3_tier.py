@@ -15,8 +15,11 @@ import trio
 from damage import KINDS
 from damage import damage as damage_file
 from kvcr.g3.files import G3Files
+from kvcr.guard import journal
 from kvcr.logs import get_logger
 from kvcr.runtime.g3 import FETCHABLE_G3, G3Tier
+from kvcr.runtime.index import BlockIndex, SlotPool
+from kvcr.runtime.mirror import Mirror
 from kvcr.runtime.transfers import Transfers
 from kvcr.transport.base import Segment
 from kvcr.transport.nixl_files import NixlFileTransport
@@ -102,6 +105,35 @@ async def test_full_files_evict_the_lowest_scored_blocks(world) -> None:
     assert stored == {k(8), k(9)}
     assert world.removed == [k(0), k(1)]
     assert k(0) not in world.tier and k(2) in world.tier
+
+
+async def test_a_slot_is_rewritten_only_once_the_journal_no_longer_names_its_old_key(
+    world,
+) -> None:
+    """With a guard group's journal, a crash mid-store must not leave the journal naming
+    the evicted key in a slot whose data is being overwritten (its record still vouches
+    for it until the new record replaces it)."""
+    buf = memoryview(bytearray(64 * 1024))
+    index = BlockIndex([SlotPool("g2", BLOCK, 1)])
+    world.tier.journal = Mirror(buf, index, {}, group=1, log=get_logger("kvcr.test"))
+    world.scores = {k(i): float(i) for i in range(9)}
+    await world.tier.store([(k(i), i) for i in range(8)], "fill up")
+    world.tier.journal.flush()
+    assert set(journal.read(buf).g3) == {k(i) for i in range(8)}
+    named_at_post: list[set[bytes]] = []
+    post = world.transport.post
+
+    def post_and_look(*args: object) -> object:
+        named_at_post.append(set(journal.read(buf).g3))  # what a successor would find now
+        return post(*args)
+
+    world.transport.post = post_and_look
+
+    assert await world.tier.store([(k(8), 0)], "evicts key 0") == {k(8)}
+
+    assert named_at_post == [{k(i) for i in range(1, 8)}]
+    world.tier.journal.flush()
+    assert journal.read(buf).g3[k(8)].values[0] == world.tier.index.get(k(8)).slots[0]
 
 
 @pytest.mark.parametrize("damage", KINDS)

@@ -98,6 +98,43 @@ def test_claimed_blocks_leave_the_queue_until_whoever_unclaims_requeues_them() -
     assert [b.key for b in index.victims(lambda b: 1.0)] == [b"a"]
 
 
+def test_evict_removes_the_lowest_scored_evictable_blocks_in_one_pass() -> None:
+    index = make_index(slots=8)
+    for name, score in [(b"c", 3.0), (b"a", 1.0), (b"b", 2.0), (b"d", 4.0)]:
+        ready(index, name, score)
+    index.get(b"a").claims = 1
+    index.add_filling(b"e", now=0.0)
+
+    evicted = index.evict(2)
+
+    assert [b.key for b in evicted] == [b"b", b"c"]
+    assert index.get(b"b") is None and b"c" not in index.view
+    assert index.pools[0].free == 8 - 3  # a, d and e keep theirs
+    assert index.get(b"a").queued is False  # claimed: out of the queue, as with victims
+    assert [b.key for b in index.evict(8)] == [b"d"]
+
+
+def test_a_batch_commits_at_once_in_score_order() -> None:
+    index = make_index(slots=8)
+    blocks = index.add_filling_batch([b"a", b"b", b"c"], now=0.0)
+
+    index.commit_many(blocks, [3.0, 1.0, 2.0])
+
+    assert all(b.state is BlockState.READY and index.view[b.key] == HIT for b in blocks)
+    assert [b.key for b in index.victims(lambda b: 0.0)] == [b"b", b"c", b"a"]
+
+
+def test_a_tier_can_publish_its_own_answers_and_nothing_while_filling() -> None:
+    view: dict = {}
+    index = BlockIndex([SlotPool("g3", 4096, 4)], ready=FETCHING, filling=None, view=view)
+    (block,) = index.add_filling_batch([b"a"], now=0.0)
+    assert view == {}  # not answerable until committed
+    index.commit_many([block], [0.0])
+    assert view == {b"a": FETCHING}
+    index.remove(block)
+    assert view == {}
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from("abcdefgh"), st.floats(-1e6, 1e6)), max_size=60))
 def test_victim_order_is_the_latest_score_of_each_live_block(updates) -> None:
