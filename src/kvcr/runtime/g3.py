@@ -176,19 +176,15 @@ class G3Tier:
         self._record(scope, started, len(got), len(items))
         return got
 
-    def verified_many(self, keys: Sequence[BlockKey]) -> dict[BlockKey, Block]:
-        """The READY blocks of ``keys`` that their files and records still vouch for (one
-        file check per file, one record read and comparison per run of slots: the records
-        must be byte for byte those this tier wrote or verified for them); blocks they no
-        longer vouch for are forgotten and reported removed."""
-        blocks = {}
-        for key in keys:
-            block = self.index.get(key)
-            if block is not None and block.state is BlockState.READY:
-                blocks[block.slots[0]] = block
-        sound = self.files.check_written(list(blocks))
-        self._lose([b for s, b in blocks.items() if s not in sound])
-        return {b.key: b for s, b in blocks.items() if s in sound}
+    def _verified(self, blocks: list[Block]) -> list[Block]:
+        """Those of ``blocks`` (just read) still held that their files and records still
+        vouch for (one file check per file, one record read and comparison per run of
+        slots: the records must be byte for byte those this tier wrote or verified for
+        them); the others are forgotten and reported removed."""
+        held = [b for b in blocks if self.index.holds(b)]
+        sound = self.files.check_written([b.slots[0] for b in held])
+        self._lose([b for b in held if b.slots[0] not in sound])
+        return [b for b in held if b.slots[0] in sound]
 
     def _lose(self, lost: list[Block]) -> None:
         """Forget blocks whose file or record no longer vouches for them (those still
@@ -231,8 +227,7 @@ class G3Tier:
                     self.index.rescore(block, self._score(block))
         if xfer is None or not xfer.ok:
             return set()
-        still = self.verified_many([b.key for b, _ in wanted])
-        return {b.key for b, _ in wanted if still.get(b.key) is b}
+        return {b.key for b in self._verified([b for b, _ in wanted])}
 
     async def _move(
         self, op: str, descriptors: list[int], blocks: list[Block], what: str
