@@ -46,6 +46,13 @@ def test_files_are_created_with_parents_reserved_and_striped(tmp_path) -> None:
             (0, record_area(8) + BLOCK),
             (1, record_area(8) + BLOCK),
         ]
+        # The prepared NIXL list of slots (one strided row per file) has each slot where
+        # positions() says: the same file and offset as place().
+        rows = g3.slot_rows()
+        expanded = [(f, off + i * pitch) for off, _, f, pitch, n in rows for i in range(n)]
+        for slot, position in enumerate(g3.positions(range(g3.capacity))):
+            f, offset = g3.place(slot)
+            assert expanded[position] == (f.fd, offset)
     finally:
         g3.close()
 

@@ -3,9 +3,9 @@
 One slot index (a :class:`BlockIndex` with a single pool of file slots) in the runtime
 thread; the data moves through the file transport, one transfer per batch. A slot's data is
 trusted only while its on-disk record names the key and the generation this tier wrote
-(:mod:`kvcr.g3.files`), checked before and again after every read: a file deleted,
-truncated, replaced or zeroed under a running instance turns its keys into misses, never
-into wrong bytes. A slot's new record is written only once its data is on disk, and the
+(:mod:`kvcr.g3.files`), checked after every read (before it, only that the file is still
+whole): a file deleted, truncated, replaced or zeroed under a running instance turns its
+keys into misses, never into wrong bytes. A slot's new record is written only once its data is on disk, and the
 journal (guard groups) has published the removal of the slot's previous key before the
 slot is rewritten: a crash mid-store leaves no record that could vouch for half a block,
 for no key a successor could look for there.
@@ -222,8 +222,7 @@ class G3Tier:
             for block, _ in wanted:
                 block.claims -= 1
                 if block.claims == 0 and holds(block):
-                    block.access_count += 1
-                    block.last_access = now
+                    self.index.touch(block, now)
                     self.index.rescore(block, self._score(block))
         if xfer is None or not xfer.ok:
             return set()
