@@ -67,10 +67,17 @@ class Record:
     data_crc: int = 0
 
 
+_PAD = bytes(RECORD_SIZE - RECORD.size - CRC.size)
+
+
 def encode_record(record: Record) -> bytes:
-    body = RECORD.pack(RECORD_MAGIC, record.generation, record.digest, record.data_crc)
-    raw = body + CRC.pack(zlib.crc32(body))
-    return raw + bytes(RECORD_SIZE - len(raw))
+    return encode(record.generation, record.digest, record.data_crc)
+
+
+def encode(generation: int, digest: bytes, data_crc: int = 0) -> bytes:
+    """A record's 64 bytes (:func:`encode_record` without a :class:`Record` object)."""
+    body = RECORD.pack(RECORD_MAGIC, generation, digest, data_crc)
+    return body + CRC.pack(zlib.crc32(body)) + _PAD
 
 
 def decode_record(raw: bytes) -> Record | None:
@@ -205,29 +212,24 @@ class G3Files:
         """The indices of the files holding ``slots`` that are still whole and linked (one
         ``fstat`` each): worth reading from, to be verified after the read."""
         n = len(self.files)
-        out = set()
-        for i in {s % n for s in slots}:
-            f = self.files[i]
-            try:
-                st = os.fstat(f.fd)
-            except OSError:
-                continue
-            if st.st_nlink > 0 and st.st_size == f.size:
-                out.add(i)
-        return out
+        return {i for i in {s % n for s in slots} if self._whole(self.files[i])}
+
+    @staticmethod
+    def _whole(f: G3File) -> bool:
+        """False once the file was deleted or truncated (one ``fstat``)."""
+        try:
+            st = os.fstat(f.fd)
+        except OSError:
+            return False
+        return st.st_nlink > 0 and st.st_size == f.size
 
     def file_ok(self, f: G3File) -> bool:
         """False once the file was deleted, replaced at its path, or truncated."""
         try:
-            st = os.fstat(f.fd)
             at_path = os.stat(f.path)
         except OSError:
             return False
-        return (
-            st.st_nlink > 0
-            and st.st_size == f.size
-            and (at_path.st_dev, at_path.st_ino) == f.identity
-        )
+        return self._whole(f) and (at_path.st_dev, at_path.st_ino) == f.identity
 
     # -- records -----------------------------------------------------------------------------
 
@@ -268,12 +270,9 @@ class G3Files:
         """Record that ``slots[i]`` holds ``keys[i]`` as stored in generation
         ``generation + i`` (the record of :meth:`write_records`, without a
         :class:`Record` a slot: this is every store's path)."""
-        pack, crc, pad = RECORD.pack, zlib.crc32, bytes(RECORD_SIZE - RECORD.size - CRC.size)
-        raw = {}
-        for i, (slot, key) in enumerate(zip(slots, keys)):
-            body = pack(RECORD_MAGIC, generation + i, key_digest(key), 0)
-            raw[slot] = body + CRC.pack(crc(body)) + pad
-        self._write(raw)
+        self._write(
+            {s: encode(generation + i, key_digest(k)) for i, (s, k) in enumerate(zip(slots, keys))}
+        )
 
     def _write(self, raw: Mapping[int, bytes]) -> None:
         for f, first, run in self._runs(raw):

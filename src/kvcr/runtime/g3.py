@@ -124,17 +124,15 @@ class G3Tier:
     def _make_room(self, wanted: int) -> int:
         pool = self.index.pools[0]
         if pool.free < wanted:
-            evicted = [b.key for b in self.index.evict(wanted - pool.free)]
-            if evicted:
-                if self.journal is not None:
-                    self.journal.g3_removed_many(evicted)
-                self._on_removed(evicted)
+            self._dropped([b.key for b in self.index.evict(wanted - pool.free)])
         return min(wanted, pool.free)
 
-    def _forget(self, block: Block) -> None:
-        self.index.remove(block)
-        if self.journal is not None:
-            self.journal.g3_removed(block.key)
+    def _dropped(self, keys: list[BlockKey]) -> None:
+        """``keys`` left G3: journal them (guard groups) and report them removed."""
+        if keys:
+            if self.journal is not None:
+                self.journal.g3_removed_many(keys)
+            self._on_removed(keys)
 
     def restore(self, records: dict[BlockKey, Any]) -> list[BlockKey]:
         """Take back the G3 blocks an earlier holder journaled (``records``: key ->
@@ -158,8 +156,7 @@ class G3Tier:
         kept = {candidates[s][0] for s in sound}
         dropped = [k for k in records if k not in kept]
         if self.journal is not None:
-            for key in dropped:
-                self.journal.g3_removed(key)
+            self.journal.g3_removed_many(dropped)
         self.log.info("g3_recovered", blocks=len(kept), dropped=len(dropped))
         return sorted(kept)
 
@@ -192,12 +189,10 @@ class G3Tier:
         if not lost:
             return
         self.log.warning("g3_record_invalid", blocks=len(lost), reason="file or record changed")
-        forgotten = [b.key for b in lost if b.claims == 0]
-        for block in lost:
-            if block.claims == 0:
-                self._forget(block)
-        if forgotten:
-            self._on_removed(forgotten)
+        unclaimed = [b for b in lost if b.claims == 0]
+        for block in unclaimed:
+            self.index.remove(block)
+        self._dropped([b.key for b in unclaimed])
 
     async def _read(self, items: Sequence[tuple[BlockKey, int]], what: str) -> set[BlockKey]:
         # Before the read, only what is cheap: READY blocks in files that can be read whole

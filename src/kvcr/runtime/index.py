@@ -160,15 +160,10 @@ class BlockIndex:
     def commit_many(self, blocks: Sequence[Block], scores: Sequence[float]) -> None:
         """:meth:`commit` for a batch (the blocks are held, FILLING, and carry no journal)."""
         assert self.journal is None, "commit_many: journaled indexes commit one by one"
-        ready, heap, seq, push = BlockState.READY, self._heap, self._seq, heapq.heappush
         for block, score in zip(blocks, scores):
-            block.state = ready
-            block.version += 1
-            block.queued = True
-            push(heap, (score, next(seq), block.key, block.version))
+            block.state = BlockState.READY
+            self.rescore(block, score)
         self.view.update(dict.fromkeys([b.key for b in blocks], self._ready))
-        if len(heap) > 2 * len(self.blocks) + 64:
-            self._compact()
 
     def flush_journal(self) -> None:
         if self.journal is not None:
@@ -229,21 +224,26 @@ class BlockIndex:
         """Remove up to ``wanted`` evictable blocks, lowest score first, and return them:
         :meth:`victims` for a tier that drops whatever it evicts, without a step per block
         through a generator. Claimed blocks met on the way leave the queue, as there."""
-        heap, blocks, pop = self._heap, self.blocks, heapq.heappop
-        ready = BlockState.READY
         out: list[Block] = []
-        while heap and len(out) < wanted:
-            _, _, key, version = pop(heap)
-            block = blocks.get(key)
-            if block is None or block.version != version:
-                continue
-            if block.state is not ready or block.claims:
-                block.queued = False
-                continue
+        while len(out) < wanted and (block := self._pop_evictable()) is not None:
             out.append(block)
         for block in out:
             self.remove(block)
         return out
+
+    def _pop_evictable(self) -> Block | None:
+        """The lowest-scored evictable block, out of the queue (None when there is none).
+        Stale entries are skipped; claimed blocks met on the way leave the queue."""
+        while self._heap:
+            _, _, key, version = heapq.heappop(self._heap)
+            block = self.blocks.get(key)
+            if block is None or block.version != version:
+                continue
+            if not self.evictable(block):
+                block.queued = False
+                continue
+            return block
+        return None
 
     def evictable(self, block: Block) -> bool:
         return block.state is BlockState.READY and block.claims == 0
@@ -257,14 +257,7 @@ class BlockIndex:
         (``queued`` is False until then)."""
         kept: list[Block] = []
         try:
-            while self._heap:
-                _, _, key, version = heapq.heappop(self._heap)
-                block = self.blocks.get(key)
-                if block is None or block.version != version:
-                    continue
-                if not self.evictable(block):
-                    block.queued = False
-                    continue
+            while (block := self._pop_evictable()) is not None:
                 kept.append(block)
                 yield block
         finally:

@@ -55,23 +55,14 @@ class Mirror(journal.Writer):
     def g3_records(self) -> dict[BlockKey, journal.Residency]:
         return self._kept
 
-    def g3_committed(self, key: BlockKey, values: tuple[int, ...]) -> None:
-        """A block committed in G3 (``values``: slot, generation)."""
-        self._kept[key] = journal.Residency(journal.PUT_G3, values)
-        self.put(key, values, journal.PUT_G3)
-
     def g3_committed_many(self, keys: list[BlockKey], values: list[tuple[int, ...]]) -> None:
-        """:meth:`g3_committed` for a batch."""
+        """Blocks committed in G3 (``values``: slot, generation each)."""
         for key, vals in zip(keys, values):
             self._kept[key] = journal.Residency(journal.PUT_G3, vals)
         self.put_batch(keys, values, journal.PUT_G3)
 
-    def g3_removed(self, key: BlockKey) -> None:
-        if self._kept.pop(key, None) is not None:
-            self.remove(key, journal.REMOVE_G3)
-
     def g3_removed_many(self, keys: list[BlockKey]) -> None:
-        """:meth:`g3_removed` for a batch."""
+        """Blocks that left G3 (those it never held are ignored)."""
         gone = [k for k in keys if self._kept.pop(k, None) is not None]
         if gone:
             self.remove_batch(gone, journal.REMOVE_G3)

@@ -49,9 +49,9 @@ class NixlFileTransport:
     def open(
         self, segments: Sequence[Segment], files: Sequence[tuple[int, int]], slots: Sequence[Any]
     ) -> None:
-        """Register the host segments (at least one) and the files (``(fd, size)`` each), and prepare the
-        descriptor lists: every host element, segment after segment, and the file slots as
-        ``slots`` lists them (rows of ``(offset, size, fd, pitch, count)``: ``count`` slots
+        """Register the host segments (at least one) and the files (``(fd, size)`` each),
+        and prepare the descriptor lists: every host element, segment after segment, and the
+        file slots as ``slots`` lists them (rows of ``(offset, size, fd, pitch, count)``: ``count`` slots
         of ``size`` bytes, ``pitch`` apart from ``offset`` in file ``fd``), whose order the
         slot indices of :meth:`post` refer to."""
         try:
