@@ -4,8 +4,11 @@ over a socketpair.
 
 Run by ``p2p.py`` only: ``python p2p_worker.py FD``. The parent sends pickled
 ``(command, *args)`` tuples and gets one ``(status, value)`` reply each (an exception comes
-back as ``("error", traceback)``). The main thread blocks in ``recv`` between commands, like
-an engine thread busy elsewhere: the kvcr runtime thread serves pulls on its own.
+back as ``("error", traceback)``). Between commands the main thread is the engine's
+scheduler loop: it sleeps (in ``poll`` on the socketpair) and calls ``poll_completed``
+every ``cadence`` seconds (``("cadence", s)`` sets it; 1 ms at start). kvcr serves pulls from
+its pool on its runtime thread alone; engine pins are made inside those polls (contract
+section 4), so the cadence is what a pin costs.
 """
 
 from __future__ import annotations
@@ -209,6 +212,11 @@ def main() -> None:
     raw = bare_agent(f"p2p-raw-src-{os.getpid()}")
     source: Source | None = None
     idle: CpuSpan | None = None
+    cadence = 0.001
+
+    def set_cadence(seconds: float) -> None:
+        nonlocal cadence
+        cadence = seconds
 
     def setup(label: str, block: int, count: int, port: int) -> dict[str, Any]:
         nonlocal source
@@ -248,9 +256,14 @@ def main() -> None:
         "idle_end": idle_end,
         "pins": pins,
         "ping": lambda: None,
+        "cadence": set_cadence,
     }
     try:
         while True:
+            if not conn.poll(cadence):
+                if source is not None:
+                    source.kv.poll_completed()  # one scheduler step: results, pins, events
+                continue
             try:
                 command, *args = conn.recv()
             except EOFError:

@@ -8,16 +8,21 @@ Block ``i`` of the engine holds bytes derived from a seed so tests can check con
 
 from __future__ import annotations
 
+import sys
+import threading
 import time
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 import trio
 
+from kvcr.api import KVCR
 from kvcr.config import KVCRBackendConfigs, KVCRConfig, LocalDramOptions
 from kvcr.hints import fetch_hint
+from kvcr.runtime.harness import kvcr_in_loop
+from kvcr.telemetry import InMemoryStats
 from kvcr.types import BlockKey, MemoryRef, OpEntryResult, RegionDescriptor
 
 
@@ -105,7 +110,7 @@ class EngineSim:
 
     # -- completions -----------------------------------------------------------------------
 
-    def _absorb(self, kv: Any) -> None:
+    def absorb(self, kv: Any) -> None:
         for handle, entries in kv.poll_completed():
             self.completed.setdefault(handle, {}).update(entries)
 
@@ -117,7 +122,7 @@ class EngineSim:
         while len(self.completed.get(handle, {})) < count:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"op {handle}: {self.completed.get(handle)} after {timeout} s")
-            self._absorb(kv)
+            self.absorb(kv)
             time.sleep(0.0005)
         return self.completed.pop(handle)
 
@@ -127,7 +132,7 @@ class EngineSim:
         """The same inside a trio loop (an in-loop KVCR, possibly under MockClock)."""
         with trio.fail_after(timeout):
             while len(self.completed.get(handle, {})) < count:
-                self._absorb(kv)
+                self.absorb(kv)
                 await trio.sleep(0.001)
         return self.completed.pop(handle)
 
@@ -135,13 +140,98 @@ class EngineSim:
         return {k: v.status.value for k, v in entries.items()}
 
 
+# The calls an engine makes into KVCR, inside which KVCR may call the engine back (contract
+# section 4), and the in-loop harness's stand-in for close().
+_ENGINE_CALLS = frozenset(
+    {
+        KVCR.__init__.__code__,
+        KVCR._setup.__code__,  # construction, also through the in-loop harness
+        KVCR.poll_completed.__code__,
+        KVCR.get_stats.__code__,
+        KVCR.close.__code__,
+        kvcr_in_loop.__wrapped__.__code__,  # type: ignore[attr-defined]
+    }
+)
+ENGINE_CALLBACKS = (
+    "request_pin",
+    "poll_pin_results",
+    "release_pin",
+    "cancel_pin_request",
+    "inventory_sink",
+    "capacity_needed_callback",
+    "stats_factory",
+    "on_resilience_event",
+)
+
+
+CALLBACK_CHECKS: list[CallbackThreads] = []  # every one made during the current test
+
+
+def _inside_engine_call() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code in _ENGINE_CALLS:
+            return True
+        frame = frame.f_back
+    return False
+
+
+class CallbackThreads:
+    """The contract's rule for engine callbacks (section 4), checked on every call: on the
+    engine's thread (the one that made this object), inside a call the engine is making
+    into KVCR. Breaches are recorded, not raised: KVCR logs and survives a raising callback,
+    which would hide them."""
+
+    def __init__(self) -> None:
+        self.engine = threading.get_ident()
+        self.calls = 0
+        self.wrong: list[str] = []
+        CALLBACK_CHECKS.append(self)
+
+    def check(self, name: str) -> None:
+        self.calls += 1
+        if threading.get_ident() != self.engine:
+            self.wrong.append(f"{name} called on thread {threading.current_thread().name!r}")
+        elif not _inside_engine_call():
+            self.wrong.append(f"{name} called outside any call the engine made into KVCR")
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def checked(*args: Any) -> Any:
+            self.check(name)
+            return fn(*args)
+
+        return checked
+
+
+class CheckedStats(InMemoryStats):
+    """An engine's stats object whose methods check the thread rule too."""
+
+    def __init__(self, threads: CallbackThreads) -> None:
+        super().__init__()
+        self.threads = threads
+
+    def increase_counter(self, *args: Any) -> None:
+        self.threads.check("stats.increase_counter")
+        super().increase_counter(*args)
+
+    def set_gauge(self, *args: Any) -> None:
+        self.threads.check("stats.set_gauge")
+        super().set_gauge(*args)
+
+    def observe_histogram(self, *args: Any) -> None:
+        self.threads.check("stats.observe_histogram")
+        super().observe_histogram(*args)
+
+
 class Recorder:
-    """The engine's callbacks, recording what KVCR tells it."""
+    """The engine's callbacks, recording what KVCR tells it, in plain lists (no locks, as
+    adapters keep them), each call checked against the thread rule (``threads``)."""
 
     def __init__(self) -> None:
         self.inventory: list[Any] = []
         self.capacity: list[list[tuple[str, int]]] = []
         self.resilience: list[Exception] = []
+        self.threads = CallbackThreads()
 
     def bindings(self, **overrides: Any) -> Any:
         from kvcr import KVCRBindings
@@ -155,6 +245,11 @@ class Recorder:
             "on_resilience_event": self.resilience.append,
         }
         fields.update(overrides)
+        if fields.get("stats_factory") is InMemoryStats:
+            fields["stats_factory"] = lambda: CheckedStats(self.threads)
+        for name in ENGINE_CALLBACKS:
+            if callable(fields.get(name)):
+                fields[name] = self.threads.wrap(name, fields[name])
         return KVCRBindings(**fields)
 
     def inventory_keys(self, removed: bool) -> list[BlockKey]:

@@ -2,13 +2,17 @@
 
 For deterministic peer tests under MockClock: each worker is an ``EngineSim`` with its own
 fake NIXL agent and control endpoint; the engine's pin bindings serve keys from the
-engine's own region (``engine_has``) and can be told to hold answers back.
+engine's own region (``engine_has``) and can be told to hold answers back. Each worker's
+engine runs a scheduler loop that polls its KVCR every ``STEP_S`` (``step``: by default it
+keeps the completions for ``await_op``), so pins are served and events delivered on the
+engine's side, as in a real engine; on leaving ``running`` every callback is checked to
+have come inside one of those calls.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import trio
@@ -19,6 +23,8 @@ from kvcr.runtime.harness import kvcr_in_loop
 from kvcr.telemetry import InMemoryStats
 from kvcr.transport.fake import FakeControlHub, FakeFabric, FakeTransport
 from kvcr.types import BlockKey, MemoryRef
+
+STEP_S = 0.002  # the engine's scheduler cadence (mock time)
 
 
 def key(i: int) -> BlockKey:
@@ -34,7 +40,8 @@ class IntKeys:
 
 
 class EnginePins:
-    """The engine side of request_pin / poll_pin_results / release_pin."""
+    """The engine side of request_pin / poll_pin_results / release_pin, in plain dicts and
+    lists without locks, as an adapter keeps them."""
 
     def __init__(self, engine: EngineSim) -> None:
         self.engine = engine
@@ -101,6 +108,7 @@ class Worker:
         self.eager = eager
         self.kv: Any = None
         self.transport: FakeTransport | None = None
+        self.step: Callable[[], None] = lambda: self.engine.absorb(self.kv)
 
     def bindings(self) -> Any:
         return self.recorder.bindings(
@@ -127,7 +135,17 @@ class Worker:
 
         async with kvcr_in_loop(self.engine.config, self.bindings(), backends, transport) as kv:
             self.kv = kv
-            yield kv
+            async with trio.open_nursery() as scheduler:
+                scheduler.start_soon(self._schedule)
+                yield kv
+                scheduler.cancel_scope.cancel()
+        assert self.recorder.threads.wrong == [], self.recorder.threads.wrong
+
+    async def _schedule(self) -> None:
+        """The engine's scheduler loop: one poll of KVCR per step."""
+        while True:
+            self.step()
+            await trio.sleep(STEP_S)
 
     def refs(self, element: int) -> list[MemoryRef]:
         return self.engine.refs(element)

@@ -101,13 +101,17 @@ class SourceWorker:
         self.proc.wait(10)
 
     def stop(self) -> None:
+        """Close the worker's KVCR and end it. Fails if any engine callback of its life
+        came off the engine's thread or outside a call it made into KVCR."""
+        off_thread: list[str] = []
         if self.proc.poll() is None:
             try:
-                self("stop", timeout=20)
+                off_thread = self("stop", timeout=20)
             except (EOFError, OSError, TimeoutError):
                 self.proc.kill()
         self.proc.wait(20)
         self.conn.close()
+        assert not off_thread, f"engine callbacks broke the thread rule: {off_thread}"
 
 
 class GuardProcess:

@@ -460,6 +460,10 @@ class Soak:
         audit = self.call(group, "soak_audit")
         index, resident = audit["index"], audit["resident"]
         self.check(not any(audit["busy"].values()), f"{where}: busy when quiet: {audit['busy']}")
+        self.check(
+            not audit["callbacks_off_thread"],
+            f"{where}: engine callbacks off the engine's calls: {audit['callbacks_off_thread']}",
+        )
         # Slots: each is free or in exactly one record; none quarantined once quiet.
         self.check(index["double"] == 0, f"{where}: slots handed out twice: {index}")
         self.check(index["quarantined"] == 0, f"{where}: slots leaked: {index}")

@@ -5,7 +5,9 @@ Run as ``python worker_proc.py FD NAME PORT BLOCK POOL_BLOCKS REGION_BLOCKS [SOC
 DIGEST]``; with the last three, the worker runs over a guard service's pool group. The parent
 sends pickled ``(command, *args)`` tuples and gets one reply each (an exception comes back
 as ``("error", text)``). The worker's engine serves pins from its own region
-(``engine_has``) and can hold pin answers back, like a busy engine.
+(``engine_has``) and can hold pin answers back, like a busy engine; between commands it polls
+KVCR every ``STEP_S`` like a scheduler, and ``callback_threads`` says whether every engine
+callback came on this thread inside such a call.
 
 The ``soak_*`` commands serve ``soak.py``: content is derived from the key (``write(element,
 seed=key)``), so the parent checks every delivered block against a checksum it computes
@@ -35,6 +37,8 @@ from kvcr.config import KVCRBackendConfigs, KVCRGuardConfig
 from kvcr.control_channels import ZmqPeerControlChannel
 from kvcr.types import CacheTier
 from peer_world import EnginePins, IntKeys, key
+
+STEP_S = 0.002  # the engine's scheduler cadence while the parent sends no command
 
 
 def main() -> None:
@@ -121,17 +125,20 @@ def main() -> None:
         "query": lambda ks: [status.name for status, _ in kv.query([key(k) for k in ks])],
         "get_stats": lambda: None,
         "dropped": lambda: dict(kv._runtime.peers.dropped),
+        "callback_threads": lambda: (recorder.threads.calls, list(recorder.threads.wrong)),
     }
     try:
         while True:
-            if not conn.poll(0.05):
+            # Idle, the engine's scheduler still polls KVCR every step (pins, events).
+            if not conn.poll(STEP_S):
                 soak.absorb()
                 continue
             command, *args = conn.recv()
             if command == "stop":
                 kv.close()
                 channel.close()
-                conn.send(("ok", None))
+                # close() hands pins back too: the thread rule's verdict covers it.
+                conn.send(("ok", list(recorder.threads.wrong)))
                 return
             try:
                 conn.send(("ok", commands[command](*args)))
@@ -293,7 +300,7 @@ class Soak:
             "pins_outstanding": peers.pins.outstanding,
             "pins_abandoned": len(peers.pins._abandoned),
             "engine_pins": len(self.pins.pinned),
-            "outbox": len(rt.outbox.results) + len(rt.outbox.events),
+            "outbox": len(rt.outbox.results) + len(rt.callbacks.queue),
         }
 
     def quiet(self, timeout: float) -> float:
@@ -355,6 +362,7 @@ class Soak:
                 if b.claims
             },
             "resilience": events,
+            "callbacks_off_thread": list(self.recorder.threads.wrong),
             "links": len(peers.links),
             "dropped": dict(peers.dropped),
             "fds": len(os.listdir("/proc/self/fd")),

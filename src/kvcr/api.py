@@ -37,8 +37,10 @@ from kvcr.hints import HintBook, RouterHint, parse_router_hint
 from kvcr.logs import get_logger
 from kvcr.policy import HOOKS as POLICY_HOOKS
 from kvcr.policy import G3LRUPolicy, KVCachePolicy, LRUPolicy
+from kvcr.runtime.engine_calls import EngineCalls, EngineSide
+from kvcr.runtime.inbox import Inbox
 from kvcr.runtime.memory import MemoryMap
-from kvcr.runtime.runtime import Callbacks, Runtime
+from kvcr.runtime.runtime import Runtime
 from kvcr.telemetry import Telemetry
 from kvcr.transport.auth import cluster_key_from_env
 from kvcr.transport.base import Transport
@@ -57,6 +59,9 @@ from kvcr.types import (
 )
 
 STARTUP_TIMEOUT_S = 60.0
+CLOSE_POLL_S = 0.001  # while close() waits for the runtime, it serves engine calls this often
+# Bindings that are only told something: without one, nothing is queued for it.
+NOTIFIED = ("inventory_sink", "capacity_needed_callback", "on_resilience_event")
 MISS = (QueryStatus.MISS, None)
 REMOTE = (QueryStatus.FETCHABLE, CacheTier.REMOTE_G2)
 
@@ -78,7 +83,16 @@ def _has_methods(name: str, value: object, methods: Sequence[str]) -> None:
 
 @attrs.frozen
 class KVCRBindings:
-    """The engine's side of the contract: callbacks kvcr calls, on its runtime thread."""
+    """The engine's side of the contract (section 4).
+
+    kvcr calls ``request_pin``, ``poll_pin_results``, ``release_pin``, ``cancel_pin_request``,
+    ``inventory_sink``, ``capacity_needed_callback``, ``stats_factory`` (and the stats
+    object it returns) and ``on_resilience_event`` only on the engine's thread, from inside
+    a call the engine makes (``poll_completed``, ``get_stats``, ``close``, construction),
+    one at a time: adapters may keep their bookkeeping in plain, unlocked structures.
+    ``key_adapter`` may be called from any thread; ``framework_control.send``/``recv`` and
+    the ``policy`` hooks run on kvcr's runtime thread, one call at a time.
+    """
 
     request_pin: Callable[[list[BlockKey]], PinRequestId]
     poll_pin_results: Callable[[], Iterable[tuple[PinRequestId, PinResult]]]
@@ -146,6 +160,8 @@ class KVCR:
         try:
             self._setup(config, bindings, backend_configs, guard_config, self._nixl_factory)
             self._start_thread()
+            # A warm start's inventory reaches the engine before construction returns.
+            self._engine.serve()
         except KVCRStartupError:
             raise  # native work may still touch the pools: keep them mapped and held
         except BaseException:
@@ -225,20 +241,25 @@ class KVCR:
         self._open_ops: dict[int, set[BlockKey]] = {}
         self._live_handles: set[int] = set()
         fw_g1 = any(r.mem_type == "VRAM" for r in backend_configs.framework_regions)
+        present = frozenset(name for name in NOTIFIED if getattr(bindings, name) is not None)
+        calls = EngineCalls(present, self._log)
+        answers = Inbox()
+        telemetry = Telemetry(
+            bindings.stats_factory if config.enable_telemetry else None,
+            lambda: self._runtime.gauges(),  # noqa: PLW0108 - _runtime is not built yet
+            self._log,
+        )
+        self._engine = EngineSide(bindings, calls, answers, self._log, also=telemetry.flush)
         self._runtime = Runtime(
             config=config,
             memory=self._memory,
             has_pools=local is not None,
             policy=policy,
             source_tier=CacheTier.FW_G1 if fw_g1 else CacheTier.FW_G2,
-            callbacks=Callbacks(
-                bindings.inventory_sink, bindings.capacity_needed_callback, self._log
-            ),
+            callbacks=calls,
+            engine_answers=answers,
             transport_factory=transport_factory,
-            telemetry=Telemetry(
-                bindings.stats_factory if config.enable_telemetry else None,
-                lambda: self._runtime.gauges(),  # noqa: PLW0108 - _runtime is not built yet
-            ),
+            telemetry=telemetry,
             open_ops=self._open_ops,
             live_handles=self._live_handles,
             release_ids=itertools.count(time.time_ns() // 1000),
@@ -525,13 +546,12 @@ class KVCR:
         return results
 
     def poll_completed(self) -> list[OpResult]:
-        # Count results before taking events: the runtime appends an operation's uncertain
-        # event before its FAILED entries, so every result counted here has its event
-        # delivered first, even if more arrive meanwhile.
+        # Count results before serving the engine calls: the runtime queues an operation's
+        # inventory and resilience events (uncertain) before its entries, so every result
+        # counted here has its events delivered first, even if more arrive meanwhile.
         results = self._outbox.results
         ready = len(results)
-        for event in _drain(self._outbox.events):
-            self._deliver_event(event)
+        self._engine.serve()
         out = []
         for _ in range(ready):
             try:
@@ -539,18 +559,6 @@ class KVCR:
             except IndexError:  # another engine thread took it
                 break
         return out
-
-    def _deliver_event(self, event: Exception) -> None:
-        callback = self._bindings.on_resilience_event
-        if callback is None:
-            self._log.warning("resilience_event", error=str(event), kind=type(event).__name__)
-            return
-        try:
-            callback(event)
-        except Exception as exc:
-            self._log.error(
-                "engine_callback_failed", callback="on_resilience_event", error=repr(exc)
-            )
 
     def abort(self, op_handle: OpHandle, keys: Sequence[BlockKey] | None = None) -> bool:
         self._check_open("abort")
@@ -564,7 +572,8 @@ class KVCR:
         return True
 
     def get_stats(self) -> TelemetryStats | None:
-        return self._runtime.telemetry.snapshot()
+        snapshot = self._runtime.telemetry.snapshot
+        return cast("TelemetryStats | None", self._engine.serve(wait=True, then=snapshot))
 
     def close(self) -> None:
         with self._close_lock:
@@ -572,7 +581,12 @@ class KVCR:
                 return
             self._closed = True
             self._inbox.put(("close",))
-            self._thread.join()
+            # The runtime hands pins back and reports events as it stops: on this thread.
+            while self._thread.is_alive():
+                self._engine.serve(wait=True)
+                self._thread.join(CLOSE_POLL_S)
+            self._engine.serve(wait=True)
+            self._engine.close()
             if self._runtime.leaked:
                 # A transfer may still touch the pools: keep them mapped and the lease held
                 # (it ends when the process exits).

@@ -1,9 +1,10 @@
 """Telemetry: metric names, scopes, and the recorder the runtime writes through.
 
 The engine supplies ``stats_factory``; each ``get_stats()`` hands back the current interval's
-stats object and starts a fresh one. The runtime thread records and the engine thread swaps,
-so both go through one uncontended lock: a sample is never recorded into an interval that
-was already handed out.
+stats object and starts a fresh one. The runtime thread records samples into a deque; the
+engine's thread applies them to the stats object, so a sample is never recorded into an
+interval that was already handed out, and the engine's object is never called from a
+thread of kvcr's.
 
 Labels are bounded categories (scope, result, resource): never keys, request ids or
 endpoints.
@@ -11,8 +12,9 @@ endpoints.
 
 from __future__ import annotations
 
-import threading
+from collections import deque
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from kvcr.config import TelemetryStats
 
@@ -42,16 +44,24 @@ def result_label(succeeded: int, total: int) -> str:
 
 
 class Telemetry:
-    """Records into the current interval's stats object; a no-op when disabled."""
+    """Records into the current interval's stats object; a no-op when disabled.
+
+    The stats object is the engine's (``stats_factory``), so only the engine's thread calls
+    it (contract section 4): the runtime appends samples to a deque, and the engine's own
+    calls (``poll_completed``, ``get_stats``) apply them (``flush``) and swap the interval
+    (``snapshot``), one caller at a time (``EngineSide.serve``).
+    """
 
     def __init__(
         self,
         factory: Callable[[], TelemetryStats] | None,
         gauges: Callable[[], Mapping[str, Number]],
+        log: Any = None,
     ) -> None:
         self._factory = factory
         self._gauges = gauges
-        self._lock = threading.Lock()
+        self._log = log
+        self._samples: deque[tuple[str, float, str, int, int]] = deque()
         self._stats: TelemetryStats | None = factory() if factory is not None else None
 
     @property
@@ -62,40 +72,54 @@ class Telemetry:
         self, scope: str, seconds: float, succeeded: int, total: int, blocks: int, nbytes: int
     ) -> None:
         """One finished operation: its duration by result, and what it moved."""
-        if self._stats is None:
-            return
-        with self._lock:
-            stats = self._stats
-            stats.observe_histogram(
-                DURATION_METRIC, seconds, (scope, result_label(succeeded, total))
-            )
-            if blocks:
-                stats.increase_counter(TRANSFER_BLOCKS_METRIC, blocks, (scope,))
-                stats.increase_counter(TRANSFER_BYTES_METRIC, nbytes, (scope,))
+        if self._stats is not None:
+            result = result_label(succeeded, total)
+            self._samples.append((scope, seconds, result, blocks, nbytes))
 
     def record(
         self, scope: str, seconds: float, result: str, blocks: int = 0, nbytes: int = 0
     ) -> None:
         """One finished step with an explicit result label (peer setup, pin waits, writes)."""
-        if self._stats is None:
+        if self._stats is not None:
+            self._samples.append((scope, seconds, result, blocks, nbytes))
+
+    def flush(self) -> None:
+        """On the engine's thread: apply the samples recorded since the last flush."""
+        stats, samples = self._stats, self._samples
+        if stats is None or not samples:
             return
-        with self._lock:
-            stats = self._stats
-            stats.observe_histogram(DURATION_METRIC, seconds, (scope, result))
-            if blocks:
-                stats.increase_counter(TRANSFER_BLOCKS_METRIC, blocks, (scope,))
-                stats.increase_counter(TRANSFER_BYTES_METRIC, nbytes, (scope,))
+        try:
+            while samples:
+                scope, seconds, result, blocks, nbytes = samples.popleft()
+                stats.observe_histogram(DURATION_METRIC, seconds, (scope, result))
+                if blocks:
+                    stats.increase_counter(TRANSFER_BLOCKS_METRIC, blocks, (scope,))
+                    stats.increase_counter(TRANSFER_BYTES_METRIC, nbytes, (scope,))
+        except Exception as exc:
+            self._failed("stats", exc)
 
     def snapshot(self) -> TelemetryStats | None:
-        """Set the state gauges on the current interval, return it, start a fresh one."""
+        """On the engine's thread: set the state gauges on the current interval, return
+        it, start a fresh one."""
         if self._stats is None or self._factory is None:
             return None
-        fresh = self._factory()
-        with self._lock:
-            current, self._stats = self._stats, fresh
-        for resource, value in self._gauges().items():
-            current.set_gauge(STATE_METRIC, value, (resource,))
+        self.flush()
+        try:
+            fresh = self._factory()
+        except Exception as exc:
+            self._failed("stats_factory", exc)
+            return None
+        current, self._stats = self._stats, fresh
+        try:
+            for resource, value in self._gauges().items():
+                current.set_gauge(STATE_METRIC, value, (resource,))
+        except Exception as exc:
+            self._failed("stats", exc)
         return current
+
+    def _failed(self, callback: str, exc: Exception) -> None:
+        if self._log is not None:
+            self._log.error("engine_callback_failed", callback=callback, error=repr(exc))
 
 
 class InMemoryStats:

@@ -88,6 +88,7 @@ class Ledger:
         transport = self.worker.transport
         assert transport is not None
         transport.watch = self.touch
+        self.worker.step = self.poll  # the engine's scheduler polls through this ledger
 
     # -- memory touches --------------------------------------------------------------------
 

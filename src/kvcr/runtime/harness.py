@@ -3,7 +3,8 @@
 For deterministic tests: with the fake transport and ``trio.testing.MockClock`` the
 deadline, abort and fault paths run instantly and the same way every time. The engine-facing
 methods behave exactly as in a threaded instance; only ``close`` is replaced by leaving the
-context.
+context. As with a threaded instance, engine callbacks (pins, inventory, resilience events)
+are made only inside ``poll_completed`` (and ``get_stats``): a test's engine must poll.
 """
 
 from __future__ import annotations
@@ -35,7 +36,14 @@ async def kvcr_in_loop(
         finally:
             kv._closed = True
             kv._inbox.put(("close",))
-            await kv._runtime.closed.wait()
-            # Nothing can post to it any more (the instance is closed): give its eventfd back
-            # now rather than at the next full garbage collection.
+            # As close() does: the engine calls of the stopping runtime (pin releases,
+            # last events) are made here, in the engine's place, every millisecond.
+            while not kv._runtime.closed.is_set():
+                kv._engine.serve(wait=True)
+                with trio.move_on_after(0.001):
+                    await kv._runtime.closed.wait()
+            kv._engine.serve(wait=True)
+            # Nothing can post to them any more (the instance is closed): give their eventfds
+            # back now rather than at the next full garbage collection.
+            kv._engine.close()
             kv._runtime.inbox.close()

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import attrs
 import trio
 
+from kvcr.runtime.engine_calls import EngineCalls
 from kvcr.runtime.transfers import Xfer
 from kvcr.types import BlockKey, MemoryRef, OpEntryResult, OpEntryStatus, OpResult, TransferError
 
@@ -41,7 +42,6 @@ class Operation:
     deadline: float
     abandon_at: float
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
-    aborted: set[BlockKey] = attrs.field(factory=set)
     # In flight -> keys: local transfers, and pulls a peer may still write.
     xfers: dict[Xfer | RemotePull, frozenset[BlockKey]] = attrs.field(factory=dict)
     # Framework memory the operation's transfers touch, reported if it fails mid-flight.
@@ -58,18 +58,23 @@ class Operation:
     failure: str | None = None
 
     def live(self, key: BlockKey) -> bool:
-        """Still waiting for an answer, and not withdrawn by abort."""
-        return key in self.pending and key not in self.aborted
+        """Still waiting for an answer (abort answers a key, so withdrawn keys are not)."""
+        return key in self.pending
 
 
 class Outbox:
-    """Results and resilience events on their way to the engine thread (``poll_completed``)."""
+    """Results and resilience events on their way to the engine thread (``poll_completed``).
+    Events go out as engine calls (``on_resilience_event``), each one before the results it
+    explains."""
 
-    def __init__(self, open_ops: dict[int, set[BlockKey]]) -> None:
+    def __init__(self, open_ops: dict[int, set[BlockKey]], calls: EngineCalls) -> None:
         self.results: deque[OpResult] = deque()
-        self.events: deque[Exception] = deque()
         self.failed_hints: deque[object] = deque()  # request ids whose hint failed
         self._open_ops = open_ops
+        self._calls = calls
+
+    def report(self, error: TransferError) -> None:
+        self._calls.resilience(error)
 
     def pending_set(self, handle: int) -> set[BlockKey]:
         """The pending set the facade created when the operation was submitted."""
@@ -102,14 +107,14 @@ class Outbox:
     def xfer_terminal(self, op: Operation, xfer: Xfer | RemotePull) -> None:
         op.xfers.pop(xfer, None)
         if op.uncertain and not op.xfers:
-            self.events.append(self._transfer_error(op, "quiesced"))
+            self.report(self._transfer_error(op, "quiesced"))
 
     def _report_uncertain(self, op: Operation) -> None:
         touches_framework = op.framework_sources or op.framework_destinations
         if op.uncertain or not touches_framework:
             return
         op.uncertain = True
-        self.events.append(self._transfer_error(op, "uncertain"))
+        self.report(self._transfer_error(op, "uncertain"))
 
     @staticmethod
     def _transfer_error(op: Operation, state: str) -> TransferError:

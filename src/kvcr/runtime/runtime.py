@@ -23,12 +23,12 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
-import attrs
 import trio
 
 from kvcr.config import KVCRConfig
 from kvcr.g3.files import G3Files
 from kvcr.policy import KVCachePolicy
+from kvcr.runtime.engine_calls import EngineCalls
 from kvcr.runtime.g3 import G3Tier
 from kvcr.runtime.inbox import Inbox
 from kvcr.runtime.index import BlockIndex, BlockState, SlotPool
@@ -57,29 +57,6 @@ async def _run(coroutine: Any) -> None:
 _LEAKED: list[object] = []
 
 
-@attrs.frozen
-class Callbacks:
-    """Engine callbacks, called on the runtime thread; a raising callback is logged."""
-
-    inventory_sink: Callable[[InventoryEvent], None] | None
-    capacity_needed_callback: Callable[[list[tuple[str, int]]], None] | None
-    log: Any
-
-    def inventory(self, event: InventoryEvent) -> None:
-        if self.inventory_sink is not None:
-            self._call("inventory_sink", self.inventory_sink, event)
-
-    def capacity_needed(self, pools: list[tuple[str, int]]) -> None:
-        if self.capacity_needed_callback is not None:
-            self._call("capacity_needed_callback", self.capacity_needed_callback, pools)
-
-    def _call(self, name: str, fn: Callable[..., object], *args: object) -> None:
-        try:
-            fn(*args)
-        except Exception as exc:
-            self.log.error("engine_callback_failed", callback=name, error=repr(exc))
-
-
 class Runtime:
     def __init__(
         self,
@@ -89,7 +66,8 @@ class Runtime:
         has_pools: bool,
         policy: KVCachePolicy,
         source_tier: CacheTier,
-        callbacks: Callbacks,
+        callbacks: EngineCalls,
+        engine_answers: Inbox,
         transport_factory: Callable[[], Transport],
         telemetry: Telemetry,
         open_ops: dict[int, set[BlockKey]],
@@ -119,11 +97,12 @@ class Runtime:
         self.has_pools = has_pools
         self.policy = policy
         self.source_tier = source_tier
-        self.callbacks = callbacks
+        self.callbacks = callbacks  # what the runtime asks of the engine, in order
+        self.engine_answers = engine_answers  # and what the engine answered
         self.telemetry = telemetry
         self.log = log
         self.inbox = Inbox()
-        self.outbox = Outbox(open_ops)
+        self.outbox = Outbox(open_ops, callbacks)
         self.live_handles = live_handles
         self.release_ids = release_ids
         pools = [
@@ -172,17 +151,9 @@ class Runtime:
                 root.start_soon(self.transfers.run)
                 if self.g3_options is not None and self.local is not None:
                     self._start_g3(root, self.local, fine)
-                b = self.bindings
-                pins = Pins(
-                    b.request_pin,
-                    b.poll_pin_results,
-                    b.release_pin,
-                    b.cancel_pin_request,
-                    self.log,
-                    fine,
-                )
+                pins = Pins(self.callbacks, self.engine_answers, self.log)
                 root.start_soon(pins.run)
-                if b.framework_control is not None:
+                if self.bindings.framework_control is not None:
                     await self._start_peers(root, transport, pins)
                 async with trio.open_nursery() as ops:
                     self._ops_nursery = ops

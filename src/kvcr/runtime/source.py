@@ -235,7 +235,8 @@ class Source:
         missing = [i for i in range(len(keys)) if i not in wanted]
         with job.scope:
             pin_started = trio.current_time()
-            pin = await self.pins.pin([keys[i] for i in missing])
+            what = f"source write req {job.msg.req} to {job.agent}"
+            pin = await self.pins.pin([keys[i] for i in missing], what)
             self.telemetry.record(
                 "framework_pin_wait",
                 trio.current_time() - pin_started,
@@ -358,10 +359,10 @@ class Source:
             return
         handle = self.op_ids()
         if job.pinned_keys:
-            self.outbox.events.append(self._source_error(job, handle, "uncertain"))
+            self.outbox.report(self._source_error(job, handle, "uncertain"))
         await xfer.done.wait()
         if job.pinned_keys:
-            self.outbox.events.append(self._source_error(job, handle, "quiesced"))
+            self.outbox.report(self._source_error(job, handle, "quiesced"))
 
     def _source_error(self, job: SourceJob, handle: int, state: str) -> TransferError:
         """Only engine memory is reported: KVCR's own claimed slots are KVCR's to hold."""

@@ -1,0 +1,291 @@
+"""Calls into the engine, made on the engine's own thread (contract section 4).
+
+Adapters keep their pin tables and event lists in plain Python structures without locks,
+because every framework callback reaches them on the engine's thread, inside a call the
+engine is making. So the runtime thread never calls engine code. When it needs the engine,
+it appends a request to :class:`EngineCalls` (a deque: one append is atomic under the GIL);
+the engine's next ``poll_completed()`` (also ``get_stats()`` and ``close()``) runs
+:meth:`EngineSide.serve`, which makes the calls in the order they were asked for, on the
+caller's thread, one caller at a time, and hands what the engine answered back to the
+runtime through an inbox, in order::
+
+    runtime thread                                 engine thread, inside poll_completed()
+    Pins ── RequestPin(ticket, keys) ───────────▶  request_pin(keys) -> request id
+         ◀── PinRequested(ticket, request) ─────
+                                                   poll_pin_results()  (while any request
+         ◀── PinAnswered(ticket, request, result)   made here is unanswered)
+         ── CancelPin / ForgetPin(ticket) ──────▶  cancel_pin_request(request) / stop polling
+         ── ReleasePin(ticket, handle) ─────────▶  release_pin(handle)
+         ◀── Released(ticket, accepted, why) ───
+    index, ops ── Notify(binding, value) ───────▶  inventory_sink, capacity_needed_callback,
+                                                   on_resilience_event (no answer)
+
+The engine side owns one table, request id -> ticket, of the requests it made whose result
+has not come back; it is touched only while serving. The runtime owns every decision
+(which result is usable, what to release, when to retry), so nothing here needs the
+runtime's state, and the answers it sends are facts: what the engine was asked, and what it
+said. A callback that raises or answers nonsense is logged with the binding and the request,
+and the call's answer says so; nothing raises out of ``serve``.
+
+Latency: a pin costs one to two of the engine's polls (the request goes out in one, the
+engine answers it, the next poll collects the result), the price the contract names.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from kvcr.runtime.inbox import Inbox
+from kvcr.types import BlockKey, InventoryEvent, PinHandle
+
+ANSWERED_REMEMBERED = 4096  # request ids whose result came, to tell a repeat from a stranger
+
+
+# -- what the runtime asks ------------------------------------------------------------------
+
+
+@attrs.frozen
+class RequestPin:
+    ticket: int
+    keys: tuple[BlockKey, ...]
+
+
+@attrs.frozen
+class CancelPin:
+    """The runtime gave up waiting: tell the engine, keep collecting a late result."""
+
+    ticket: int
+
+
+@attrs.frozen
+class ForgetPin:
+    """Stop polling for this request (its result never came)."""
+
+    ticket: int
+
+
+@attrs.frozen
+class ReleasePin:
+    ticket: int
+    handle: PinHandle
+
+
+@attrs.frozen
+class Notify:
+    """Call ``binding`` with ``value``; nothing comes back."""
+
+    binding: str  # "inventory_sink" | "capacity_needed_callback" | "on_resilience_event"
+    value: object
+
+
+Call = RequestPin | CancelPin | ForgetPin | ReleasePin | Notify
+
+
+# -- what the engine answered ---------------------------------------------------------------
+
+
+@attrs.frozen
+class PinRequested:
+    """``request`` is the engine's id for the ticket, or None if ``request_pin`` failed
+    (``error`` says how)."""
+
+    ticket: int
+    request: object
+    error: str | None = None
+
+
+@attrs.frozen
+class PinAnswered:
+    """One item of ``poll_pin_results``. ``ticket`` is None when the request id is not one
+    this instance is waiting for; ``repeated`` then says whether it was answered before."""
+
+    ticket: int | None
+    request: object
+    result: object
+    repeated: bool = False
+
+
+@attrs.frozen
+class Released:
+    ticket: int
+    accepted: bool
+    why: str | None = None  # what the engine said instead of True
+
+
+Answer = PinRequested | PinAnswered | Released
+
+
+class EngineCalls:
+    """The runtime's side: requests for the engine, in order. Only the runtime appends;
+    only :class:`EngineSide` pops."""
+
+    def __init__(self, present: frozenset[str], log: Any) -> None:
+        self.queue: deque[Call] = deque()
+        self._present = present  # optional bindings the engine gave
+        self._log = log
+
+    def put(self, call: Call) -> None:
+        self.queue.append(call)
+
+    def inventory(self, event: InventoryEvent) -> None:
+        if "inventory_sink" in self._present:
+            self.queue.append(Notify("inventory_sink", event))
+
+    def capacity_needed(self, pools: list[tuple[str, int]]) -> None:
+        if "capacity_needed_callback" in self._present:
+            self.queue.append(Notify("capacity_needed_callback", pools))
+
+    def resilience(self, error: Exception) -> None:
+        if "on_resilience_event" in self._present:
+            self.queue.append(Notify("on_resilience_event", error))
+        else:  # the contract's default: log it (logging is ours, not the engine's code)
+            self._log.warning("resilience_event", error=str(error), kind=type(error).__name__)
+
+
+class EngineSide:
+    """The engine's side: makes the queued calls on the caller's thread (``serve``)."""
+
+    def __init__(
+        self,
+        bindings: Any,
+        calls: EngineCalls,
+        answers: Inbox,
+        log: Any,
+        also: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._bindings = bindings
+        self._queue = calls.queue
+        self._answers = answers
+        self._log = log
+        self._also = also  # more engine-thread work for every serve (telemetry samples)
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+        self._waiting: dict[object, int] = {}  # request id -> ticket, result not come yet
+        self._requests: dict[int, object] = {}  # ticket -> request id, the same entries
+        self._answered: OrderedDict[object, None] = OrderedDict()
+
+    @property
+    def polling(self) -> bool:
+        """Whether a request made here still waits for its result."""
+        return bool(self._waiting)
+
+    def serve(self, wait: bool = False, then: Callable[[], Any] | None = None) -> Any:
+        """Make every queued call, then collect pin results if any request waits; hand the
+        answers to the runtime. One thread at a time: a second caller returns at once
+        (``wait=False``) or waits its turn (``close``). A callback that calls back into
+        KVCR on the same thread does not serve again (it would reorder the calls).
+        ``then`` runs under the same turn and its value is returned (``get_stats``)."""
+        me = threading.get_ident()
+        if self._owner == me:
+            return then() if then is not None else None
+        if not self._lock.acquire(blocking=wait):
+            return None
+        self._owner = me
+        answers: list[Answer] = []
+        try:
+            queue = self._queue
+            while queue:
+                self._make(queue.popleft(), answers)
+            if self._waiting:  # right after the requests: an engine that pins at once
+                self._collect(answers)  # costs no poll period
+            self._also()
+            return then() if then is not None else None
+        finally:
+            if answers:
+                self._answers.put(answers)
+            self._owner = None
+            self._lock.release()
+
+    def close(self) -> None:
+        """Once the runtime has stopped: give the answers' eventfd back (a later serve finds
+        nothing queued and puts nothing)."""
+        self._answers.close()
+
+    # -- the calls ---------------------------------------------------------------------------
+
+    def _make(self, call: Call, answers: list[Answer]) -> None:
+        if isinstance(call, Notify):
+            self._notify(call)
+        elif isinstance(call, RequestPin):
+            answers.append(self._request(call))
+        elif isinstance(call, ReleasePin):
+            answers.append(self._release(call))
+        elif isinstance(call, CancelPin):
+            self._cancel(call.ticket)
+        else:
+            request = self._requests.pop(call.ticket, None)
+            self._waiting.pop(request, None)
+
+    def _notify(self, call: Notify) -> None:
+        callback = getattr(self._bindings, call.binding)
+        try:
+            callback(call.value)
+        except Exception as exc:
+            self._log.error("engine_callback_failed", callback=call.binding, error=repr(exc))
+
+    def _request(self, call: RequestPin) -> PinRequested:
+        try:
+            request = self._bindings.request_pin(list(call.keys))
+        except Exception as exc:
+            return PinRequested(call.ticket, None, f"request_pin raised {exc!r}")
+        try:
+            taken = request is None or request in self._waiting
+        except TypeError:  # unhashable: it could never be matched to a result
+            taken = True
+        if taken:
+            why = "an unanswered request has it already" if request is not None else "None"
+            return PinRequested(
+                call.ticket,
+                None,
+                f"request_pin returned {request!r:.80}, not a new request id ({why})",
+            )
+        self._waiting[request] = call.ticket
+        self._requests[call.ticket] = request
+        return PinRequested(call.ticket, request)
+
+    def _release(self, call: ReleasePin) -> Released:
+        try:
+            answer = self._bindings.release_pin(call.handle)
+        except Exception as exc:
+            return Released(call.ticket, False, f"raised {exc!r}")
+        if answer is True:
+            return Released(call.ticket, True)
+        return Released(call.ticket, False, f"returned {answer!r:.80}")
+
+    def _cancel(self, ticket: int) -> None:
+        cancel = self._bindings.cancel_pin_request
+        request = self._requests.get(ticket)
+        if cancel is None or request is None:
+            return
+        try:
+            cancel(request)
+        except Exception as exc:
+            self._log.warning("cancel_pin_request_failed", request=request, error=repr(exc))
+
+    def _collect(self, answers: list[Answer]) -> None:
+        try:
+            items = list(self._bindings.poll_pin_results())
+        except Exception as exc:
+            self._log.warning("poll_pin_results_failed", error=repr(exc))
+            return
+        for item in items:
+            try:
+                request, result = item
+                ticket = self._waiting.pop(request, None)
+            except (TypeError, ValueError):
+                self._log.warning("pin_result_malformed", item=repr(item)[:80])
+                continue
+            repeated = False
+            if ticket is not None:
+                del self._requests[ticket]
+                self._answered[request] = None
+                if len(self._answered) > ANSWERED_REMEMBERED:
+                    self._answered.popitem(last=False)
+            else:
+                repeated = request in self._answered
+            answers.append(PinAnswered(ticket, request, result, repeated))
