@@ -102,12 +102,14 @@ class PinRequested:
 @attrs.frozen
 class PinAnswered:
     """One item of ``poll_pin_results``. ``ticket`` is None when the request id is not one
-    this instance is waiting for; ``repeated`` then says whether it was answered before."""
+    this instance is waiting for; ``repeated`` then says whether it was answered before, and
+    ``earlier`` is what that first answer was."""
 
     ticket: int | None
     request: object
     result: object
     repeated: bool = False
+    earlier: object = None
 
 
 @attrs.frozen
@@ -167,7 +169,7 @@ class EngineSide:
         self._owner: int | None = None
         self._waiting: dict[object, int] = {}  # request id -> ticket, result not come yet
         self._requests: dict[int, object] = {}  # ticket -> request id, the same entries
-        self._answered: OrderedDict[object, None] = OrderedDict()
+        self._answered: OrderedDict[object, object] = OrderedDict()  # request -> its result
 
     @property
     def polling(self) -> bool:
@@ -280,12 +282,14 @@ class EngineSide:
             except (TypeError, ValueError):
                 self._log.warning("pin_result_malformed", item=repr(item)[:80])
                 continue
-            repeated = False
             if ticket is not None:
                 del self._requests[ticket]
-                self._answered[request] = None
+                self._answered[request] = result
                 if len(self._answered) > ANSWERED_REMEMBERED:
                     self._answered.popitem(last=False)
+                answers.append(PinAnswered(ticket, request, result))
+            elif request in self._answered:
+                earlier = self._answered[request]
+                answers.append(PinAnswered(None, request, result, True, earlier))
             else:
-                repeated = request in self._answered
-            answers.append(PinAnswered(ticket, request, result, repeated))
+                answers.append(PinAnswered(None, request, result))

@@ -190,9 +190,12 @@ class Pins:
         if pin is not None:
             self._held[pin.handle] += 1
         elif handle is not None:
-            if ticket is None and self._held[handle]:
-                # An answer to a request already answered (or never made) that names a pin
-                # a write may be reading: releasing it would free memory under the write.
+            if ticket is None and (
+                self._held[handle] or (answer.repeated and _handle(answer.earlier) == handle)
+            ):
+                # The same pin again (an answer repeated, or one naming a pin a write may be
+                # reading): the first answer was acted on; releasing it again would free
+                # memory under a write, or release one pin twice.
                 self._log.warning(
                     "pin_result_repeated", request=request, handle=handle, released=False
                 )
