@@ -407,6 +407,9 @@ def validate_g3_layout(layouts: PoolBlockLayouts, g3: G3Options) -> None:
 
 @runtime_checkable
 class TelemetryStats(Protocol):
+    """The engine's metrics interval (``stats_factory``). kvcr calls its methods only on the
+    engine's thread, inside ``poll_completed`` and ``get_stats`` (contract section 4)."""
+
     def increase_counter(
         self, name: str, value: int | float, labelvalues: tuple[str, ...] = ()
     ) -> None: ...
@@ -426,6 +429,9 @@ class TelemetryStats(Protocol):
 
 @runtime_checkable
 class FrameworkControl(Protocol):
+    """The peer control channel. kvcr calls ``send`` and ``recv`` from its own runtime
+    thread, one call at a time; both must return at once."""
+
     def send(self, endpoint: str, message: bytes) -> bool: ...
 
     def recv(self) -> list[bytes]: ...
@@ -442,9 +448,13 @@ class SharedListenerControl(FrameworkControl, Protocol):
 
 @runtime_checkable
 class KeyAdapter(Protocol):
+    """Engine block hashes <-> kvcr keys: a pure function, called from any thread."""
+
     def encode(self, framework_key: object) -> BlockKey: ...
 
     def decode(self, key: BlockKey) -> int | bytes: ...
 
 
+# Called on the engine's thread, inside poll_completed (get_stats, close), before the results
+# of the operations whose blocks it announces.
 InventorySink = Callable[[InventoryEvent], None]

@@ -1,6 +1,9 @@
 """Admission and eviction policy (contract: ``kvcr.policy``).
 
-A policy is consulted by the runtime thread only, so it needs no locking. The runtime asks:
+A policy is consulted by kvcr's runtime thread only, one call at a time, so it needs no
+locking; unlike the engine callbacks of ``KVCRBindings`` (made on the engine's thread), its
+hooks never run on the engine's thread, so a hook must not touch engine state that the
+engine mutates without a lock. The runtime asks:
 
 - ``decide_ingest`` whether a block offered to a KVCR-owned tier is stored there
   (anything but ``DROP`` stores it in local G2);

@@ -17,7 +17,6 @@ from kvcr.runtime.engine_calls import (
     EngineCalls,
     EngineSide,
     PinAnswered,
-    PinRequested,
     Released,
     ReleasePin,
     RequestPin,
@@ -121,7 +120,7 @@ def test_nothing_is_called_until_the_engine_serves_and_then_everything_in_order(
         "poll_pin_results",  # a request made in this serve is polled right after the calls
     ]
     assert {ident for _, _, ident in engine.calls} == {threading.get_ident()}
-    assert taken(answers) == [PinRequested(1, 2), Released(2, True)]
+    assert taken(answers) == [Released(2, True)]  # a request made answers only if it failed
 
 
 def test_the_calls_run_on_whichever_thread_serves() -> None:

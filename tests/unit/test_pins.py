@@ -444,7 +444,7 @@ async def test_request_pin_repeating_an_unanswered_id_fails_the_second_request(
     assert await pins.pin([K2]) is None
 
     [(_, fields)] = log.named("request_pin_failed")
-    assert "an unanswered request has it already" in fields["error"]
+    assert "an unanswered request has it" in fields["error"]
     engine.respond(7, ("h7", {K1: [REF]}))
     await trio.sleep(1)
     assert first[0].handle == "h7"

@@ -11,7 +11,7 @@ runtime through an inbox, in order::
 
     runtime thread                                 engine thread, inside poll_completed()
     Pins ── RequestPin(ticket, keys) ───────────▶  request_pin(keys) -> request id
-         ◀── PinRequested(ticket, request) ─────
+         ◀── PinRequestFailed(ticket, why) ─────    (only if it raised or gave no usable id)
                                                    poll_pin_results()  (while any request
          ◀── PinAnswered(ticket, request, result)   made here is unanswered)
          ── CancelPin / ForgetPin(ticket) ──────▶  cancel_pin_request(request) / stop polling
@@ -90,13 +90,11 @@ Call = RequestPin | CancelPin | ForgetPin | ReleasePin | Notify
 
 
 @attrs.frozen
-class PinRequested:
-    """``request`` is the engine's id for the ticket, or None if ``request_pin`` failed
-    (``error`` says how)."""
+class PinRequestFailed:
+    """``request_pin`` raised or gave no usable request id: the ticket gets no result."""
 
     ticket: int
-    request: object
-    error: str | None = None
+    error: str
 
 
 @attrs.frozen
@@ -119,7 +117,7 @@ class Released:
     why: str | None = None  # what the engine said instead of True
 
 
-Answer = PinRequested | PinAnswered | Released
+Answer = PinRequestFailed | PinAnswered | Released
 
 
 class EngineCalls:
@@ -214,7 +212,8 @@ class EngineSide:
         if isinstance(call, Notify):
             self._notify(call)
         elif isinstance(call, RequestPin):
-            answers.append(self._request(call))
+            if (failed := self._request(call)) is not None:
+                answers.append(failed)
         elif isinstance(call, ReleasePin):
             answers.append(self._release(call))
         elif isinstance(call, CancelPin):
@@ -230,25 +229,28 @@ class EngineSide:
         except Exception as exc:
             self._log.error("engine_callback_failed", callback=call.binding, error=repr(exc))
 
-    def _request(self, call: RequestPin) -> PinRequested:
+    def _request(self, call: RequestPin) -> PinRequestFailed | None:
         try:
             request = self._bindings.request_pin(list(call.keys))
         except Exception as exc:
-            return PinRequested(call.ticket, None, f"request_pin raised {exc!r}")
+            return PinRequestFailed(call.ticket, f"request_pin raised {exc!r}")
         try:
-            taken = request is None or request in self._waiting
+            why = (
+                "None"
+                if request is None
+                else "an unanswered request has it"
+                if request in self._waiting
+                else ""
+            )
         except TypeError:  # unhashable: it could never be matched to a result
-            taken = True
-        if taken:
-            why = "an unanswered request has it already" if request is not None else "None"
-            return PinRequested(
-                call.ticket,
-                None,
-                f"request_pin returned {request!r:.80}, not a new request id ({why})",
+            why = "unhashable"
+        if why:
+            return PinRequestFailed(
+                call.ticket, f"request_pin returned {request!r:.80}, not a new request id ({why})"
             )
         self._waiting[request] = call.ticket
         self._requests[call.ticket] = request
-        return PinRequested(call.ticket, request)
+        return None
 
     def _release(self, call: ReleasePin) -> Released:
         try:

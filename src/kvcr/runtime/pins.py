@@ -30,7 +30,7 @@ from kvcr.runtime.engine_calls import (
     EngineCalls,
     ForgetPin,
     PinAnswered,
-    PinRequested,
+    PinRequestFailed,
     Released,
     ReleasePin,
     RequestPin,
@@ -61,7 +61,6 @@ class _Waiter:
     what: str
     done: trio.Event = attrs.field(factory=trio.Event)
     pin: Pin | None = None
-    request: object = None  # the engine's id, once it was made
 
 
 @attrs.define(eq=False)
@@ -161,14 +160,10 @@ class Pins:
         elif isinstance(answer, Released):
             self._on_released(answer)
         else:
-            self._on_requested(answer)
+            self._on_request_failed(answer)
 
-    def _on_requested(self, answer: PinRequested) -> None:
-        waiter = self._waiting.get(answer.ticket)
-        if answer.error is None:
-            if waiter is not None:
-                waiter.request = answer.request
-            return
+    def _on_request_failed(self, answer: PinRequestFailed) -> None:
+        waiter = self._waiting.pop(answer.ticket, None)
         self._abandoned.pop(answer.ticket, None)
         self._log.warning(
             "request_pin_failed",
@@ -177,8 +172,7 @@ class Pins:
             error=answer.error,
         )
         if waiter is not None:
-            del self._waiting[answer.ticket]
-            waiter.done.set()
+            waiter.done.set()  # a miss
 
     def _on_result(self, answer: PinAnswered) -> None:
         ticket, request, result = answer.ticket, answer.request, answer.result
