@@ -226,14 +226,17 @@ def main() -> None:
         source = Source(raw, label, block, count, port)
         return {"endpoint": source.channel.endpoint, "crcs": source.region_crcs}
 
+    engine0 = 0.0
+
     def idle_begin() -> None:
-        nonlocal idle
+        nonlocal idle, engine0
         assert source is not None
         idle = CpuSpan(source.thread)
+        engine0 = time.thread_time()  # this thread: the engine's scheduler loop
 
     def idle_end() -> dict[str, float]:
         assert source is not None and idle is not None
-        return idle.end()
+        return {**idle.end(), "engine": time.thread_time() - engine0}
 
     def pins() -> dict[str, int]:
         assert source is not None
