@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import nox
@@ -121,3 +123,32 @@ def wheel(session: nox.Session) -> None:
     session.chdir(tmp)
     examples = Path(__file__).resolve().parent / "examples"
     session.run(python, str(examples / "quickstart.py"), env=NIXL_ENV, external=True)
+
+
+@nox.session(name="crash-cold")
+def crash_cold(session: nox.Session) -> None:
+    """The crash trials (tests/integration/test_crash_recovery.py) as on a machine that just
+    booted and is busy: ``-- N`` runs (10), each with the page cache dropped first (root:
+    ``sync; echo 3 > /proc/sys/vm/drop_caches``) and two CPU-bound processes beside it.
+    Stops at the first failing run."""
+    install(session)
+    runs = int(session.posargs[0]) if session.posargs else 10
+    hog = "while True: pass"
+    for run in range(1, runs + 1):
+        session.log(f"crash-cold run {run}/{runs}: dropping the page cache, two CPU hogs")
+        session.run("sync", external=True)
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        hogs = [subprocess.Popen([sys.executable, "-c", hog]) for _ in range(2)]
+        try:
+            session.run(
+                "pytest",
+                "-q",
+                "-p",
+                "no:randomly",
+                "tests/integration/test_crash_recovery.py",
+                env=NIXL_ENV,
+            )
+        finally:
+            for process in hogs:
+                process.kill()
+                process.wait()

@@ -184,7 +184,9 @@ async def test_a_source_cancels_a_write_hung_past_its_abandon_deadline(autojump_
         write = a.transport.posted[-1]  # after the local deposit
         assert write.released and write.state.value == "ERR"  # cancelled at 3 s
         assert a.kv._runtime.index.get(key(0)).claims == 0
-        assert world.sent("over")[-1].reason == "the write failed"
+        assert world.sent("over")[-1].reason == (
+            "the write failed: cancelled: still running at abandon_timeout_ms"
+        )
         assert b.events() == [(handle, "uncertain"), (handle, "quiesced")]
         assert trio.current_time() - posted > 3.0
 

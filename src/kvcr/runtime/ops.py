@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
@@ -56,6 +56,13 @@ class Operation:
     hint_request: object = None  # the request whose hint sent keys to a peer
     ok_keys: set[BlockKey] = attrs.field(factory=set)
     failure: str | None = None
+
+    def restart_clock(self, start: float, config: Any) -> None:
+        """Measure both deadlines from ``start`` from now on (a peer link's one-time setup
+        is bounded on its own; the operation's timeouts then cover its transfer)."""
+        self.deadline = start + config.operation_timeout_ms / 1000
+        self.abandon_at = start + config.abandon_timeout_ms / 1000
+        self.scope.deadline = self.deadline
 
     def live(self, key: BlockKey) -> bool:
         """Still waiting for an answer (abort answers a key, so withdrawn keys are not)."""

@@ -84,7 +84,9 @@ class RemotePull:
     written: list[int] = attrs.field(factory=list)
     reason: str = ""
     abandoned: bool = False
-    restarted: bool = False  # ended because a new incarnation answered at the endpoint
+    # Turned away unread (a new incarnation answered at the endpoint, or the source had no
+    # greeting from us): nothing was written, so asking again, after a new greeting, is safe.
+    turned_away: bool = False
     on_over: list[Callable[[], None]] = attrs.field(factory=list)
     due: float = 0.0  # when its data should have landed (trio time)
 
@@ -349,7 +351,7 @@ class Peers:
             link.gone = [*link.gone[-15:], link.incarnation]
             self.log.info("peer_restarted", endpoint=link.endpoint, pulls=len(link.pulls))
             for pull in list(link.pulls.values()):
-                pull.restarted = True
+                pull.turned_away = True
                 self._finish_pull(pull, [], "the source restarted", over=True)
             # Set up again. An event not set yet is kept: pulls may be waiting on it, and
             # the greeting under way will set it (a fresh one would strand them).
@@ -370,8 +372,7 @@ class Peers:
             raise TransportError(
                 f"{op.kind} op {op.handle}: the control channel has no endpoint to be answered at"
             )
-        link = self.link(endpoint)
-        await link.ready.wait()
+        link = await self._ready(op, endpoint)
         pull = RemotePull(next(self._reqs), link, link.incarnation, keys)
         nbytes = sum(n for _, n in dst)
         pull.due = trio.current_time() + nbytes / EXPECTED_BYTES_PER_S + FAST_WINDOW_S
@@ -392,6 +393,34 @@ class Peers:
         )
         self.wake()
         return pull
+
+    async def _ready(self, op: Operation, endpoint: str) -> Link:
+        """The link to ``endpoint`` once the incarnation there acknowledged our greeting.
+
+        Setting a link up (the greeting; at the source, loading our metadata and opening the
+        NIXL connection) is one-time work with a budget of its own, ``operation_timeout_ms``:
+        the operation's clock starts again when the link is ready, so that its deadline
+        covers the transfer, not a first contact with a peer that just started."""
+        link = self.link(endpoint)
+        if link.ready.is_set():
+            return link
+        budget_s = self.config.operation_timeout_ms / 1000
+        setup_started = trio.current_time()
+        op.restart_clock(setup_started + budget_s, self.config)  # setup, then the transfer
+        with trio.move_on_after(budget_s):
+            # Answers read in one batch can switch the link to another incarnation after
+            # our greeting was acknowledged: the pull must go to the one that knows us.
+            while not link.ready.is_set():
+                await link.ready.wait()
+                link = self.link(endpoint)
+        if not link.ready.is_set():
+            raise TransportError(
+                f"{op.kind} op {op.handle}: {endpoint} did not answer our greeting within "
+                f"{self.config.operation_timeout_ms} ms"
+            )
+        op.restart_clock(trio.current_time(), self.config)
+        self.log.debug("peer_ready", endpoint=endpoint, setup_s=trio.current_time() - setup_started)
+        return link
 
     def abandon(self, op: Operation, pull: RemotePull) -> None:
         """The operation gave up on ``pull`` while the source may still write."""
@@ -455,6 +484,12 @@ class Peers:
         if pull is None:
             self.drop("unknown_over", f"{msg.sender} req {msg.req}")
             return
+        if msg.reason in (m.NOT_GREETED, m.OTHER_INCARNATION):
+            # The process at the endpoint never took our greeting (or not this pull): greet it
+            # again before anything else is sent there.
+            pull.turned_away = True
+            if pull.link.ready.is_set():
+                pull.link.ready = trio.Event()
         self._finish_pull(pull, [], msg.reason, over=True)
 
     def _on_probe_ack(self, msg: m.ProbeAck) -> None:

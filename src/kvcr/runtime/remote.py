@@ -78,11 +78,12 @@ class Remote:
             finally:
                 if not pull.over.is_set():
                     self.peers.abandon(op, pull)
-            # A pull that a restarted source's new incarnation turned away was never acted
-            # on, and the old incarnation is gone: asking the new one again is safe (once).
-            if not (pull.restarted and pull.over.is_set() and attempt == 1):
+            # A pull turned away unread (by a restarted source's new incarnation, or by a
+            # source that had no greeting from us) was never acted on: asking again, after
+            # greeting the endpoint again, is safe (once).
+            if not (pull.turned_away and pull.over.is_set() and attempt == 1):
                 break
-            self.log.info("pull_resent", op=op.handle, reason="the source restarted")
+            self.log.info("pull_resent", op=op.handle, endpoint=endpoint, reason=pull.reason)
         if pull.written:
             op.remote_failed = False
         else:

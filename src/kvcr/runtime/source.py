@@ -169,9 +169,9 @@ class Source:
         reason = None
         agent = self.agents_by_incarnation.get(msg.incarnation)
         if msg.target != self.net.incarnation:
-            reason = "the pull was meant for another incarnation of this source"
+            reason = m.OTHER_INCARNATION
         elif agent is None:
-            reason = "no metadata from this destination incarnation: say hello first"
+            reason = m.NOT_GREETED
         elif msg.pools != len(self.memory.block_sizes):
             reason = (
                 f"the destination has {msg.pools} pools per key, this source has "
@@ -184,6 +184,9 @@ class Source:
         elif self.local is None and not self.memory.regions:
             reason = "this source has neither pools nor framework regions"
         if reason is not None:
+            self.log.info(
+                "pull_refused", endpoint=msg.sender, req=msg.req, keys=len(msg.keys), reason=reason
+            )
             self.net.send(
                 msg.sender, m.Over(self.net.my_endpoint(), self.net.incarnation, msg.req, reason)
             )
@@ -324,12 +327,15 @@ class Source:
             self.telemetry.record("transfer", now - job.posted_at, result)
             moved = (len(dst), nbytes) if xfer.ok else (0, 0)
             self.telemetry.record("source_write", now - started, result, *moved)
-            self._end_job(job, None if xfer.ok else "the write failed")
+            if xfer.ok:
+                self._end_job(job, None)
+            else:
+                self._write_failed(job, len(indices), f"the write failed: {xfer.error}")
 
         try:
             handle = self.transport.post_write(src, dst, job.agent, notif, what)
         except TransportError as exc:
-            self._end_job(job, str(exc))
+            self._write_failed(job, len(indices), f"the write could not be posted: {exc}")
             return
         job.state = "writing"
         job.posted_at = trio.current_time()
@@ -338,6 +344,18 @@ class Source:
             assert self.net.nursery is not None
             self.net.nursery.start_soon(self._watch_write, job)
         self.net.wake()
+
+    def _write_failed(self, job: SourceJob, keys: int, reason: str) -> None:
+        """Say why in the log and to the destination (its op_failed names the reason)."""
+        self.log.warning(
+            "source_write_failed",
+            to=job.agent,
+            endpoint=job.msg.sender,
+            req=job.msg.req,
+            keys=keys,
+            reason=reason,
+        )
+        self._end_job(job, reason)
 
     async def _watch_write(self, job: SourceJob) -> None:
         """A write running past the operation timeout stalls this source; one still running

@@ -38,6 +38,7 @@ class Xfer:
     done: trio.Event = attrs.field(factory=trio.Event)
     state: XferState = XferState.PROC
     on_terminal: list[Callable[[Xfer], None]] = attrs.field(factory=list)
+    error: str = ""  # why it ended in ERR: the transport's words
 
     @property
     def ok(self) -> bool:
@@ -99,6 +100,9 @@ class Transfers(Generic[_T]):
         except Exception as exc:
             self._log.error("transfer_poll_failed", what=xfer.what, error=str(exc))
             state = XferState.ERR
+            xfer.error = str(exc)
+        if state is XferState.ERR and not xfer.error:
+            xfer.error = "the transport reported ERR"
         if state.terminal:
             self._finish(xfer, state)
 
@@ -112,6 +116,7 @@ class Transfers(Generic[_T]):
         except Exception as exc:
             self._log.warning("transfer_cancel_failed", what=xfer.what, error=str(exc))
             return False
+        xfer.error = "cancelled: still running at abandon_timeout_ms"
         self._finish(xfer, XferState.ERR, released=True)
         return True
 

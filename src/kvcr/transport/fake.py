@@ -19,11 +19,12 @@ or writes into that agent's memory, so a test can check it was the transfer's to
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import os
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -360,11 +361,30 @@ class FakeControlHub:
         self.sent: list[tuple[str, bytes]] = []  # (to endpoint, message), for assertions
         self.drop: Callable[[str, bytes], bool] = lambda endpoint, message: False
         self.plan: FaultPlan | None = None
+        self._held: dict[str, list[Callable[[], None]]] = {}
 
     def channel(self, endpoint: str) -> FakeControlChannel:
         channel = FakeControlChannel(self, endpoint)
         self.channels[endpoint] = channel
         return channel
+
+    @contextlib.contextmanager
+    def holding(self, endpoint: str) -> Iterator[None]:
+        """Messages to ``endpoint`` wait while inside, then arrive together, in order: the
+        receiver reads them in one batch (to script what one receive sees)."""
+        self._held.setdefault(endpoint, [])
+        try:
+            yield
+        finally:
+            for put in self._held.pop(endpoint):
+                put()
+
+    def arrive(self, endpoint: str, put: Callable[[], None]) -> None:
+        held = self._held.get(endpoint)
+        if held is None:
+            put()
+        else:
+            held.append(put)
 
 
 class FakeControlChannel:
@@ -382,10 +402,14 @@ class FakeControlChannel:
         target = self.hub.channels.get(endpoint)
         if target is None or target.closed or self.hub.drop(endpoint, message):
             return True  # queued, as ZMQ would, and lost
+
+        def put() -> None:
+            self.hub.arrive(endpoint, lambda: target._put(message))
+
         if self.hub.plan is None:
-            target._put(message)
+            put()
         else:
-            self.hub.plan.route(message, endpoint, lambda: target._put(message))
+            self.hub.plan.route(message, endpoint, put)
         return True
 
     def _put(self, message: bytes) -> None:

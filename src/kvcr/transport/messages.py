@@ -157,6 +157,12 @@ class Written:
             raise ValueError(f"indices must be in [0, {MAX_KEYS})")
 
 
+# Over reasons that say the pull was never acted on, so asking again (after greeting the
+# endpoint again) is safe: the process that got it cannot write it.
+OTHER_INCARNATION = "the pull was meant for another incarnation of this source"
+NOT_GREETED = "no metadata from this destination incarnation: say hello first"
+
+
 @attrs.frozen
 class Over:
     """The source is done with a pull without a (successful) write: nothing it holds can

@@ -175,7 +175,11 @@ class NixlTransport:
 
         The same metadata again is a no-op. New metadata for a known agent name (a restarted
         peer, or a peer whose registrations changed) replaces the old: the old is removed
-        first, which ends the transfers still in flight to that peer with an error."""
+        first, which ends the transfers still in flight to that peer with an error.
+
+        The connection to the peer is opened here (``make_connection``), while the peer is
+        being greeted, so that its first transfer does not pay the one-time setup (10-20 ms
+        warm, much more on a machine that just booted) inside an operation's deadline."""
         name = metadata_agent_name(metadata)
         if name == self.agent_name:
             raise TransportError(f"add_peer: the metadata is this agent's own ({name!r})")
@@ -195,6 +199,13 @@ class NixlTransport:
             raise TransportError(
                 f"add_peer: metadata names {name!r} but NIXL loaded it as {loaded!r}"
             )
+        try:
+            self._agent.make_connection(name)
+        except Exception as exc:
+            self._agent.remove_remote_agent(name)
+            raise TransportError(
+                f"add_peer: NIXL could not connect to peer {name!r}: {_reason(exc)}"
+            ) from exc
         self._peers[name] = metadata
         return name
 
