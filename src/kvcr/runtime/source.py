@@ -21,6 +21,7 @@ and ``quiesced`` follows when the write is terminal. A destination's ``Probe`` w
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, cast
 
@@ -138,11 +139,20 @@ class Source:
         return any(job.state == "writing" for job in self.jobs.values())
 
     def on_hello(self, msg: m.Hello) -> None:
+        new = msg.incarnation not in self.agents_by_incarnation
+        started = time.perf_counter()
         try:
-            agent = self.transport.add_peer(msg.metadata)
+            agent = self.transport.add_peer(msg.metadata)  # and connects to it (NIXL)
         except Exception as exc:
             self.net.drop("bad_metadata", f"{msg.sender}: {exc}")
             return
+        if new:  # how long a first contact took: on a cold machine, the evidence
+            self.log.info(
+                "peer_added",
+                agent=agent,
+                endpoint=msg.sender,
+                connect_ms=round((time.perf_counter() - started) * 1000, 2),
+            )
         for incarnation, name in list(self.agents_by_incarnation.items()):
             if name == agent and incarnation != msg.incarnation:
                 del self.agents_by_incarnation[incarnation]  # that process is gone
