@@ -52,6 +52,36 @@ def wait_until(condition: Callable[[], Any], timeout: float = 20, what: str = "c
         time.sleep(0.01)
 
 
+def spawn(
+    program: Path, args: list[str], env: dict[str, str] | None = None, stderr: Any = None
+) -> tuple[subprocess.Popen[bytes], Connection]:
+    """Start ``python PROGRAM FD ARGS...`` with FD its end of a socketpair; returns the process
+    and our end, over which it takes pickled ``(command, *args)`` tuples."""
+    ours, theirs = socket.socketpair()
+    proc = subprocess.Popen(
+        [sys.executable, str(program), str(theirs.fileno()), *args],
+        pass_fds=[theirs.fileno()],
+        env={**os.environ, **(env or {})},
+        stderr=stderr,
+    )
+    _children.append(proc)
+    theirs.close()
+    conn = Connection(os.dup(ours.fileno()))
+    ours.close()
+    return proc, conn
+
+
+def ask(conn: Connection, command: tuple[object, ...], timeout: float) -> Any:
+    """Send one command to a child; its ``("ok", value)`` answer's value, or raise."""
+    conn.send(command)
+    if not conn.poll(timeout):
+        raise TimeoutError(f"the child did not answer {command[0]!r} in {timeout} s")
+    status, value = conn.recv()
+    if status == "error":
+        raise RuntimeError(value)
+    return value
+
+
 class SourceWorker:
     """A kvcr worker in a child process, driven over a socketpair (see worker_proc.py).
 
@@ -69,32 +99,16 @@ class SourceWorker:
         log: Path | None = None,
     ) -> None:
         """``log``: a file for the child's stderr (appended to), else it inherits ours."""
-        ours, theirs = socket.socketpair()
         self.port = port or free_port()
         extra = [str(x) for x in guard] if guard else []
         with open(log, "ab") if log else contextlib.nullcontext() as stderr:
-            self.proc = subprocess.Popen(
-                [sys.executable, str(WORKER), str(theirs.fileno()), name, str(self.port)]
-                + [str(x) for x in sizes]
-                + extra,
-                pass_fds=[theirs.fileno()],
-                env={**os.environ, **(env or {})},
-                stderr=stderr,
+            self.proc, self.conn = spawn(
+                WORKER, [name, str(self.port), *(str(x) for x in sizes), *extra], env, stderr
             )
-        _children.append(self.proc)
-        theirs.close()
-        self.conn = Connection(os.dup(ours.fileno()))
-        ours.close()
         self.endpoint = self("endpoint", timeout=60)
 
     def __call__(self, *command: object, timeout: float = 20) -> Any:
-        self.conn.send(command)
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"worker did not answer {command[0]!r} in {timeout} s")
-        status, value = self.conn.recv()
-        if status == "error":
-            raise RuntimeError(value)
-        return value
+        return ask(self.conn, command, timeout)
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)

@@ -11,13 +11,9 @@ through its 8-slot pool.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 import time
-from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,7 +23,7 @@ from kvcr.config import KVCRBackendConfigs
 from kvcr.control_channels import ZmqPeerControlChannel
 from kvcr.types import OpEntryStatus
 from peer_world import IntKeys, key
-from procs import free_port
+from procs import ask, free_port, spawn
 
 pytestmark = pytest.mark.integration
 
@@ -41,30 +37,10 @@ CHILD = Path(__file__).resolve().parent.parent / "busy_engine_proc.py"
 
 class BusySource:
     def __init__(self) -> None:
-        ours, theirs = socket.socketpair()
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                str(CHILD),
-                str(theirs.fileno()),
-                "busy-src",
-                str(free_port()),
-                str(BLOCK),
-            ],
-            pass_fds=[theirs.fileno()],
-        )
-        theirs.close()
-        self.conn = Connection(os.dup(ours.fileno()))
-        ours.close()
+        self.proc, self.conn = spawn(CHILD, ["busy-src", str(free_port()), str(BLOCK)])
 
-    def __call__(self, *command: object, timeout: float = 60) -> object:
-        self.conn.send(command)
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"the busy source did not answer {command[0]!r} in {timeout} s")
-        status, value = self.conn.recv()
-        if status == "error":
-            raise RuntimeError(value)
-        return value
+    def __call__(self, *command: object, timeout: float = 60) -> Any:
+        return ask(self.conn, command, timeout)
 
     def close(self) -> None:
         if self.proc.poll() is None:
