@@ -160,12 +160,16 @@ class KVCR:
         try:
             self._setup(config, bindings, backend_configs, guard_config, self._nixl_factory)
             self._start_thread()
-            # A warm start's inventory reaches the engine before construction returns.
-            self._engine.serve()
         except KVCRStartupError:
             raise  # native work may still touch the pools: keep them mapped and held
         except BaseException:
             self._give_back_pools(activated=False)
+            raise
+        try:
+            # A warm start's inventory reaches the engine before construction returns.
+            self._engine.serve()
+        except BaseException:  # an engine callback interrupted (KeyboardInterrupt, ...)
+            self.close()
             raise
 
     @classmethod

@@ -308,3 +308,20 @@ def test_a_release_the_engine_refuses_says_what_it_answered() -> None:
     side.serve()
 
     assert taken(answers) == [Released(3, False, "returned None")]
+
+
+def test_results_a_poll_yielded_before_it_raised_still_count() -> None:
+    engine = Engine()
+
+    def flaky_poll():
+        yield (1, ("h", {K1: None}))
+        raise RuntimeError("engine busy")
+
+    engine.poll_pin_results = flaky_poll
+    calls, side, answers, log = bridge(engine)
+    calls.put(RequestPin(7, (K1,)))
+
+    side.serve()
+
+    assert taken(answers) == [PinAnswered(7, 1, ("h", {K1: None}))]
+    assert log.named("poll_pin_results_failed")

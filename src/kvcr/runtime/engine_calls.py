@@ -272,11 +272,11 @@ class EngineSide:
             self._log.warning("cancel_pin_request_failed", request=request, error=repr(exc))
 
     def _collect(self, answers: list[Answer]) -> None:
+        items: list[Any] = []
         try:
-            items = list(self._bindings.poll_pin_results())
-        except Exception as exc:
+            items.extend(self._bindings.poll_pin_results())
+        except Exception as exc:  # what it yielded before failing still counts
             self._log.warning("poll_pin_results_failed", error=repr(exc))
-            return
         for item in items:
             try:
                 request, result = item
