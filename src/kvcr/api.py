@@ -3,7 +3,9 @@
 Every method validates its input on the calling (engine) thread, then either reads state the
 runtime publishes or enqueues a command, and returns in microseconds. The runtime runs in
 one thread of its own (``trio.run``); nothing here waits for it, except construction (until
-memory is registered) and ``close``.
+memory is registered) and ``close``. ``poll_completed``, ``get_stats`` and ``close`` also
+make the engine calls the runtime queued (``runtime/engine_calls.py``), one thread at a
+time: ``get_stats`` and ``close`` wait for another engine thread's turn to end.
 """
 
 from __future__ import annotations
@@ -167,7 +169,7 @@ class KVCR:
             raise
         try:
             # A warm start's inventory reaches the engine before construction returns.
-            self._engine.serve()
+            self._serve_engine()
         except BaseException:  # an engine callback interrupted (KeyboardInterrupt, ...)
             self.close()
             raise
@@ -245,7 +247,11 @@ class KVCR:
         self._open_ops: dict[int, set[BlockKey]] = {}
         self._live_handles: set[int] = set()
         fw_g1 = any(r.mem_type == "VRAM" for r in backend_configs.framework_regions)
-        present = frozenset(name for name in NOTIFIED if getattr(bindings, name) is not None)
+        present = frozenset(
+            name
+            for name in (*NOTIFIED, "cancel_pin_request")
+            if getattr(bindings, name) is not None
+        )
         calls = EngineCalls(present, self._log)
         answers = Inbox()
         telemetry = Telemetry(
@@ -286,6 +292,8 @@ class KVCR:
         self._eager_connect = backend_configs.remote_fw_dram.eager_ctrl_connect
         self._greeted: set[str] = set()
         self._close_lock = threading.Lock()
+        self._close_asked = False
+        self._close_done = False  # an interrupted close() can be called again to finish
         self._thread: threading.Thread | None = None
 
     def _claim_pools(
@@ -550,19 +558,16 @@ class KVCR:
         return results
 
     def poll_completed(self) -> list[OpResult]:
-        # Count results before serving the engine calls: the runtime queues an operation's
-        # inventory and resilience events (uncertain) before its entries, so every result
-        # counted here has its events delivered first, even if more arrive meanwhile.
-        results = self._outbox.results
-        ready = len(results)
-        self._engine.serve()
-        out = []
-        for _ in range(ready):
-            try:
-                out.append(results.popleft())
-            except IndexError:  # another engine thread took it
-                break
-        return out
+        with self._engine.turn() as mine:
+            if not mine:  # another engine thread is making the engine calls right now
+                return []
+            # Count results before making the engine calls: the runtime queues an
+            # operation's inventory and resilience events (uncertain) before its entries,
+            # so every result counted here has its events delivered first.
+            results = self._outbox.results
+            ready = len(results)
+            self._engine.serve()
+            return [results.popleft() for _ in range(ready)]  # only the turn's holder pops
 
     def abort(self, op_handle: OpHandle, keys: Sequence[BlockKey] | None = None) -> bool:
         self._check_open("abort")
@@ -576,21 +581,33 @@ class KVCR:
         return True
 
     def get_stats(self) -> TelemetryStats | None:
-        snapshot = self._runtime.telemetry.snapshot
-        return cast("TelemetryStats | None", self._engine.serve(wait=True, then=snapshot))
+        with self._engine.turn(wait=True) as mine:
+            if mine:
+                self._engine.serve()
+            return self._runtime.telemetry.snapshot()
+
+    def _serve_engine(self, wait: bool = False, nested: bool = False) -> None:
+        with self._engine.turn(wait, nested) as mine:
+            if mine:
+                self._engine.serve()
 
     def close(self) -> None:
         with self._close_lock:
-            if self._closed or self._thread is None:
+            if self._thread is None or self._close_done:
                 return
             self._closed = True
-            self._inbox.put(("close",))
-            # The runtime hands pins back and reports events as it stops: on this thread.
+            if not self._close_asked:
+                self._close_asked = True
+                self._inbox.put(("close",))
+            # The runtime hands pins back and reports events as it stops: on this thread,
+            # even when close() is called from inside a callback.
             while self._thread.is_alive():
-                self._engine.serve(wait=True)
+                self._serve_engine(wait=True, nested=True)
                 self._thread.join(CLOSE_POLL_S)
-            self._engine.serve(wait=True)
-            self._engine.close()
+            with self._engine.turn(wait=True, nested=True):
+                self._engine.serve()
+                self._engine.close()
+            self._close_done = True
             if self._runtime.leaked:
                 # A transfer may still touch the pools: keep them mapped and the lease held
                 # (it ends when the process exits).

@@ -87,6 +87,14 @@ def bridge(engine, present=ALL, also=lambda: None):
     return calls, EngineSide(engine, calls, answers, log, also=also), answers, log
 
 
+def poll(side: EngineSide) -> bool:
+    """What an engine's poll does: make the calls if it is this thread's turn."""
+    with side.turn() as mine:
+        if mine:
+            side.serve()
+        return mine
+
+
 def taken(answers: Inbox) -> list:
     """What the engine side handed back (the runtime's inbox, read without a loop)."""
     out = []
@@ -109,7 +117,7 @@ def test_nothing_is_called_until_the_engine_serves_and_then_everything_in_order(
     calls.put(ReleasePin(2, "h"))
     assert engine.calls == []
 
-    side.serve()
+    poll(side)
 
     assert engine.names() == [
         "inventory_sink",
@@ -128,7 +136,7 @@ def test_the_calls_run_on_whichever_thread_serves() -> None:
     calls, side, _, _ = bridge(engine)
     calls.inventory(EVENT)
 
-    worker = threading.Thread(target=side.serve, name="engine")
+    worker = threading.Thread(target=poll, args=(side,), name="engine")
     worker.start()
     worker.join()
 
@@ -148,11 +156,11 @@ def test_a_second_thread_does_not_serve_while_one_is_inside_a_callback() -> None
     engine.inventory_sink = slow_sink
     calls.inventory(EVENT)
     calls.inventory(InventoryEvent((K1,), CacheTier.LOCAL_G2, True))
-    first = threading.Thread(target=side.serve)
+    first = threading.Thread(target=poll, args=(side,))
     first.start()
     assert inside.wait(10)
 
-    side.serve()  # another engine thread polls meanwhile: it returns at once
+    assert poll(side) is False  # another engine thread polls meanwhile: it returns at once
     assert engine.names() == ["inventory_sink"]
 
     leave.set()
@@ -167,13 +175,13 @@ def test_a_callback_calling_back_into_kvcr_does_not_serve_again() -> None:
 
     def reentrant_sink(event):
         engine._record("inventory_sink", event)
-        side.serve()  # say, the sink polls KVCR
+        assert poll(side) is False  # say, the sink polls KVCR: not this thread's turn again
 
     engine.inventory_sink = reentrant_sink
     calls.inventory(EVENT)
     calls.capacity_needed([("kv", 1)])
 
-    side.serve()
+    poll(side)
 
     assert engine.names() == ["inventory_sink", "capacity_needed_callback"]
 
@@ -185,7 +193,7 @@ def test_a_raising_callback_is_logged_and_the_calls_after_it_are_made() -> None:
     calls.inventory(EVENT)
     calls.capacity_needed([("kv", 1)])
 
-    side.serve()
+    poll(side)
 
     assert engine.names() == ["inventory_sink", "capacity_needed_callback"]
     [(level, fields)] = log.named("engine_callback_failed")
@@ -210,17 +218,17 @@ def test_bindings_the_engine_did_not_give_get_nothing_queued() -> None:
 def test_pin_results_are_polled_only_while_a_request_made_here_waits() -> None:
     engine = Engine()
     calls, side, answers, _ = bridge(engine)
-    side.serve()
+    poll(side)
     assert engine.calls == []
 
     calls.put(RequestPin(7, (K1,)))
-    side.serve()
-    side.serve()
+    poll(side)
+    poll(side)
     assert engine.names() == ["request_pin", "poll_pin_results", "poll_pin_results"]
 
     engine.results = [(1, ("h", {K1: None}))]
-    side.serve()
-    side.serve()
+    poll(side)
+    poll(side)
     assert engine.names().count("poll_pin_results") == 3
     assert taken(answers)[-1] == PinAnswered(7, 1, ("h", {K1: None}))
     assert not side.polling
@@ -233,7 +241,7 @@ def test_an_answer_to_a_request_answered_before_says_it_is_repeated() -> None:
     calls.put(RequestPin(8, (K1,)))  # keeps the engine side polling
     engine.results = [(1, "first"), (1, "again"), (99, "stranger")]
 
-    side.serve()
+    poll(side)
 
     assert taken(answers) == [
         PinAnswered(7, 1, "first"),
@@ -252,7 +260,7 @@ def test_poll_pin_results_returning_no_list_is_logged(results) -> None:
     calls, side, _, log = bridge(engine)
     calls.put(RequestPin(7, (K1,)))
 
-    side.serve()
+    poll(side)
 
     [(level, _)] = log.named("poll_pin_results_failed")
     assert level == "warning"
@@ -275,7 +283,7 @@ def test_telemetry_samples_reach_the_engines_stats_only_when_it_serves() -> None
     recorder.join()
     assert calls_seen == []
 
-    side.serve()
+    poll(side)
     stats = telemetry.snapshot()
 
     assert calls_seen == [threading.get_ident()]
@@ -305,7 +313,7 @@ def test_a_release_the_engine_refuses_says_what_it_answered() -> None:
     calls, side, answers, _ = bridge(engine)
     calls.put(ReleasePin(3, "h"))
 
-    side.serve()
+    poll(side)
 
     assert taken(answers) == [Released(3, False, "returned None")]
 
@@ -321,7 +329,31 @@ def test_results_a_poll_yielded_before_it_raised_still_count() -> None:
     calls, side, answers, log = bridge(engine)
     calls.put(RequestPin(7, (K1,)))
 
-    side.serve()
+    poll(side)
 
     assert taken(answers) == [PinAnswered(7, 1, ("h", {K1: None}))]
     assert log.named("poll_pin_results_failed")
+
+
+def test_a_call_interrupted_by_keyboardinterrupt_is_made_again_at_the_next_poll() -> None:
+    engine = Engine()
+    interrupted = []
+
+    def release_pin(handle):
+        engine._record("release_pin", handle)
+        if not interrupted:
+            interrupted.append(handle)
+            raise KeyboardInterrupt
+        return True
+
+    engine.release_pin = release_pin
+    calls, side, answers, _ = bridge(engine)
+    calls.put(ReleasePin(3, "h"))
+    calls.inventory(EVENT)
+
+    with pytest.raises(KeyboardInterrupt):
+        poll(side)
+    poll(side)
+
+    assert engine.names() == ["release_pin", "release_pin", "inventory_sink"]
+    assert taken(answers) == [Released(3, True)]

@@ -140,7 +140,9 @@ class Scheduler:
             if self.running:
                 self.engine.serving = True
                 try:
-                    self.side.serve()
+                    with self.side.turn() as mine:
+                        assert mine
+                        self.side.serve()
                 finally:
                     self.engine.serving = False
             await trio.sleep(STEP_S)
@@ -155,7 +157,8 @@ def start_pins(nursery, engine, log, *, with_cancel=True):
         release_pin=engine.release_pin,
         cancel_pin_request=engine.cancel_pin_request if with_cancel else None,
     )
-    calls, answers = EngineCalls(frozenset(), log), Inbox()
+    present = frozenset({"cancel_pin_request"} if with_cancel else ())
+    calls, answers = EngineCalls(present, log), Inbox()
     pins = Pins(calls, answers, log)
     pins.scheduler = Scheduler(engine, EngineSide(bindings, calls, answers, log))
     nursery.start_soon(pins.run)
@@ -787,3 +790,50 @@ async def test_a_failing_poll_is_logged_and_polling_continues(autojump_clock, pi
     failures = log.named("poll_pin_results_failed")
     assert [level for level, _ in failures] == ["warning"] * 3
     assert "engine busy" in failures[0][1]["error"]
+
+
+async def test_an_unusable_answer_naming_a_pin_still_held_does_not_release_it(
+    autojump_clock, pins, engine, log, nursery
+):
+    engine.answer = pin_everything("h1")
+    pin = await pins.pin([K1])  # a write reads h1 now
+    engine.answer = lambda request, keys: ("h1", {K1: None})  # a miss, with the same handle
+
+    assert await pins.pin([K2]) is None
+
+    await trio.sleep(1)
+    assert engine.release_calls == []
+    pins.release(pin)
+    await trio.sleep(1)
+    assert engine.released == ["h1"]
+
+
+async def test_at_close_a_late_grant_of_an_engine_that_cannot_be_told_is_still_released(
+    autojump_clock, engine, log, nursery
+):
+    pins = start_pins(nursery, engine, log, with_cancel=False)
+    with trio.move_on_after(0.05):
+        await pins.pin([K1])
+
+    async def grant_later():
+        await trio.sleep(0.3)
+        engine.respond(1, ("late", {K1: [REF]}))
+
+    nursery.start_soon(grant_later)
+    assert await pins.drain(1.0) is True
+
+    assert engine.released == ["late"]
+    assert not log.named("pin_requests_unanswered")
+
+
+async def test_at_close_a_request_the_engine_never_answers_is_reported(
+    autojump_clock, engine, log, nursery
+):
+    pins = start_pins(nursery, engine, log, with_cancel=False)
+    with trio.move_on_after(0.05):
+        await pins.pin([K1])
+
+    await pins.drain(0.5)
+
+    [(level, fields)] = log.named("pin_requests_unanswered")
+    assert level == "warning" and fields["requests"] == 1

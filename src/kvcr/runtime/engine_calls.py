@@ -33,9 +33,10 @@ engine answers it, the next poll collects the result), the price the contract na
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
@@ -129,6 +130,11 @@ class EngineCalls:
         self._present = present  # optional bindings the engine gave
         self._log = log
 
+    @property
+    def can_cancel(self) -> bool:
+        """Whether the engine can be told that a pin request was given up."""
+        return "cancel_pin_request" in self._present
+
     def put(self, call: Call) -> None:
         self.queue.append(call)
 
@@ -168,42 +174,61 @@ class EngineSide:
         self._waiting: dict[object, int] = {}  # request id -> ticket, result not come yet
         self._requests: dict[int, object] = {}  # ticket -> request id, the same entries
         self._answered: OrderedDict[object, object] = OrderedDict()  # request -> its result
+        self._closed = False
 
     @property
     def polling(self) -> bool:
         """Whether a request made here still waits for its result."""
         return bool(self._waiting)
 
-    def serve(self, wait: bool = False, then: Callable[[], Any] | None = None) -> Any:
-        """Make every queued call, then collect pin results if any request waits; hand the
-        answers to the runtime. One thread at a time: a second caller returns at once
-        (``wait=False``) or waits its turn (``close``). A callback that calls back into
-        KVCR on the same thread does not serve again (it would reorder the calls).
-        ``then`` runs under the same turn and its value is returned (``get_stats``)."""
+    @contextlib.contextmanager
+    def turn(self, wait: bool = False, nested: bool = False) -> Iterator[bool]:
+        """This thread's turn at the engine calls: yields True if it may make them now.
+        One thread at a time: while another has the turn, a caller gets False at once
+        (``wait=False``) or waits (``get_stats``, ``close``). A callback that calls back
+        into KVCR on the same thread gets False (making calls there would reorder them),
+        unless ``nested`` (``close`` from a callback must still hand pins back)."""
         me = threading.get_ident()
         if self._owner == me:
-            return then() if then is not None else None
+            yield nested
+            return
         if not self._lock.acquire(blocking=wait):
-            return None
+            yield False
+            return
         self._owner = me
+        try:
+            yield True
+        finally:
+            self._owner = None
+            self._lock.release()
+
+    def serve(self) -> None:
+        """Within a turn: make every queued call, collect pin results if any request waits,
+        and hand the answers to the runtime. A call interrupted by a BaseException
+        (KeyboardInterrupt) is made again at the next serve: at least once, never lost."""
         answers: list[Answer] = []
         try:
             queue = self._queue
             while queue:
-                self._make(queue.popleft(), answers)
+                call = queue.popleft()
+                try:
+                    self._make(call, answers)
+                except BaseException:
+                    queue.appendleft(call)
+                    raise
             if self._waiting:  # right after the requests: an engine that pins at once
                 self._collect(answers)  # costs no poll period
             self._also()
-            return then() if then is not None else None
         finally:
-            if answers:
+            if answers and not self._closed:
                 self._answers.put(answers)
-            self._owner = None
-            self._lock.release()
 
     def close(self) -> None:
-        """Once the runtime has stopped: give the answers' eventfd back (a later serve finds
-        nothing queued and puts nothing)."""
+        """Within a turn, once the runtime has stopped: stop polling for results nobody will
+        take, and give the answers' eventfd back."""
+        self._closed = True
+        self._waiting.clear()
+        self._requests.clear()
         self._answers.close()
 
     # -- the calls ---------------------------------------------------------------------------
@@ -275,8 +300,12 @@ class EngineSide:
         items: list[Any] = []
         try:
             items.extend(self._bindings.poll_pin_results())
-        except Exception as exc:  # what it yielded before failing still counts
+        except Exception as exc:
             self._log.warning("poll_pin_results_failed", error=repr(exc))
+        finally:  # what it yielded before it failed (or was interrupted) still counts
+            self._take(items, answers)
+
+    def _take(self, items: list[Any], answers: list[Answer]) -> None:
         for item in items:
             try:
                 request, result = item

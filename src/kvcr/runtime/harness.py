@@ -39,11 +39,12 @@ async def kvcr_in_loop(
             # As close() does: the engine calls of the stopping runtime (pin releases,
             # last events) are made here, in the engine's place, every millisecond.
             while not kv._runtime.closed.is_set():
-                kv._engine.serve(wait=True)
+                kv._serve_engine(wait=True)
                 with trio.move_on_after(0.001):
                     await kv._runtime.closed.wait()
-            kv._engine.serve(wait=True)
             # Nothing can post to them any more (the instance is closed): give their eventfds
             # back now rather than at the next full garbage collection.
-            kv._engine.close()
+            with kv._engine.turn(wait=True):
+                kv._engine.serve()
+                kv._engine.close()
             kv._runtime.inbox.close()

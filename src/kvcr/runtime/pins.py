@@ -10,8 +10,9 @@ request never made) is released at once, except one naming a pin this instance h
 
 ``release_pin(handle)`` must be retried until it returns True: False or an exception
 means "not now". A refused release is asked again after 10 ms, doubling up to 1 s, until the
-engine accepts; a pin is never forgotten and never released before the transfer reading it
-is terminal (the caller's job).
+engine accepts (at ``close``, until the drain's deadline, then ``pins_not_released`` names
+what is left); a pin is never released before the transfer reading it is terminal (the
+caller's job).
 """
 
 from __future__ import annotations
@@ -125,12 +126,21 @@ class Pins:
         for release in self._releasing.values():
             release.due, release.retry = min(release.due, soon), RELEASE_RETRY_FIRST_S
         self._wake()
+        # An engine that cannot be told a request was given up may still grant it: its
+        # answer is waited for too, so that the pin goes back before kvcr stops listening.
+        late = () if self._calls.can_cancel else self._abandoned
         with trio.move_on_after(timeout):
-            while self._releasing:
+            while self._releasing or late:
                 await self._changed.wait()
         if self._releasing:
             handles = sorted({str(r.handle) for r in self._releasing.values()})
             self._log.error("pins_not_released", pins=len(self._releasing), handles=handles[:8])
+        if late:
+            self._log.warning(
+                "pin_requests_unanswered",
+                requests=len(late),
+                reason="given up and not answered by close; a pin granted for them now is not released",
+            )
         return not self._releasing
 
     async def run(self) -> None:
@@ -184,12 +194,9 @@ class Pins:
         if pin is not None:
             self._held[pin.handle] += 1
         elif handle is not None:
-            if ticket is None and (
-                self._held[handle] or (answer.repeated and _handle(answer.earlier) == handle)
-            ):
-                # The same pin again (an answer repeated, or one naming a pin a write may be
-                # reading): the first answer was acted on; releasing it again would free
-                # memory under a write, or release one pin twice.
+            if self._held[handle] or (answer.repeated and _handle(answer.earlier) == handle):
+                # A pin a write may be reading, or the same pin again (an answer repeated):
+                # releasing it would free memory under a write, or release one pin twice.
                 self._log.warning(
                     "pin_result_repeated", request=request, handle=handle, released=False
                 )
