@@ -37,6 +37,7 @@ from kvcr import KVCR, KVCRBindings, KVCRClient
 from kvcr.config import KVCRBackendConfigs, KVCRConfig, LocalDramOptions
 from kvcr.errors import KVCRSocketError
 from kvcr.telemetry import InMemoryStats
+from kvcr.testing import Opened, open_kvcr
 from kvcr.types import RegionDescriptor
 
 try:
@@ -321,7 +322,7 @@ def null_bindings(stats: bool = False, **more: Any) -> KVCRBindings:
     )
 
 
-def make_instance(
+def open_instance(
     name: str,
     block: int,
     region: np.ndarray,
@@ -329,8 +330,8 @@ def make_instance(
     bindings: KVCRBindings,
     telemetry: bool = False,
     **backends: Any,
-) -> KVCR:
-    """A kvcr instance over the engine ``region`` (elements of ``block`` bytes) with ``pool``
+) -> Opened:
+    """A kvcr instance (and its runtime, for peeks) over the engine ``region`` (elements of ``block`` bytes) with ``pool``
     as its DRAM pool; ``backends``: further KVCRBackendConfigs fields."""
     config = KVCRConfig(
         name,
@@ -339,7 +340,7 @@ def make_instance(
         operation_timeout_ms=20_000,
         abandon_timeout_ms=40_000,
     )
-    return KVCR(
+    return open_kvcr(
         config,
         bindings,
         KVCRBackendConfigs(
@@ -350,6 +351,11 @@ def make_instance(
             **backends,
         ),
     )
+
+
+def make_instance(*args: Any, **kwargs: Any) -> KVCR:
+    """:func:`open_instance`'s KVCR alone."""
+    return open_instance(*args, **kwargs).kv
 
 
 def runtime_thread(agent: str) -> threading.Thread:

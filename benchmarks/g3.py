@@ -51,6 +51,7 @@ from common import Row, arguments, log, percentile, report
 from kvcr import KVCR, KVCRBindings
 from kvcr.config import G3Options, KVCRBackendConfigs, KVCRConfig, LocalDramOptions
 from kvcr.telemetry import DURATION_METRIC, InMemoryStats
+from kvcr.testing import open_kvcr
 from kvcr.types import MemoryRef, RegionDescriptor
 
 try:
@@ -131,7 +132,7 @@ def bench_case(rows: list[Row], label: str, block: int, count: int, reps: int, q
     paths = (directory / "d0" / "g3.bin", directory / "d1" / "g3.bin")
     g3 = G3Options(paths=paths, capacity_bytes_per_file=block * count * 2)
     stats = InMemoryStats()
-    kv = KVCR(
+    opened = open_kvcr(
         KVCRConfig(
             name,
             [("", block)],
@@ -153,6 +154,7 @@ def bench_case(rows: list[Row], label: str, block: int, count: int, reps: int, q
             g3=g3,
         ),
     )
+    kv, runtime = opened.kv, opened.runtime
     raw = None
     serial = iter(range(1 << 40))
     store_s, fill_s, engine_s, raw_store_s, raw_fill_s = [], [], [], [], []
@@ -168,7 +170,7 @@ def bench_case(rows: list[Row], label: str, block: int, count: int, reps: int, q
         previous = [next(serial).to_bytes(8, "big") for _ in range(count)]
         deposit(previous)
         raw = RawPosix(region, list(paths))
-        area = kv._runtime.g3.files.area
+        area = runtime.g3.files.area
         # Pre-touch every slot of the files (fresh fallocated pages are several times slower
         # to write the first time): otherwise kvcr, whose spill comes first in each repetition,
         # pays the first touch of the 4 * count slots it cycles through and raw never does.

@@ -27,7 +27,7 @@ from common import (
     CpuSpan,
     bare_agent,
     crcs,
-    make_instance,
+    open_instance,
     randomized,
     raw_transfer,
     runtime_thread,
@@ -118,7 +118,8 @@ class Source:
             framework_control=self.channel,
             key_adapter=IntKeys(),
         )
-        self.kv = make_instance(self.agent, block, self.region, self.pool, bindings)
+        opened = open_instance(self.agent, block, self.region, self.pool, bindings)
+        self.kv, self.runtime = opened.kv, opened.runtime
         self.thread = runtime_thread(self.agent)
         # Raw baseline: the same buffers, registered with the process's bare agent.
         self.raw = raw
@@ -151,7 +152,7 @@ class Source:
         bad = [k for k, v in got.items() if v.status is not OpEntryStatus.SUCCESS]
         if bad:
             raise RuntimeError(f"deposit: {len(bad)} keys did not succeed")
-        index = self.kv._runtime.index  # benchmark-only peek: where the blocks landed
+        index = self.runtime.index  # benchmark-only peek: where the blocks landed
         slots = []
         for i in range(self.count):
             block = index.get(block_key(POOL_KEY_BASE + i))

@@ -35,9 +35,9 @@ import common
 from common import Row, arguments, log, null_bindings, percentile, report
 from local import Engine, all_success
 
-from kvcr import KVCR
 from kvcr.config import KVCRBackendConfigs, KVCRConfig, KVCRGuardConfig
 from kvcr.control_channels import ZmqPeerControlChannel
+from kvcr.testing import open_kvcr
 from kvcr.types import RegionDescriptor
 
 KIB, MIB = common.KIB, common.MIB
@@ -60,12 +60,13 @@ class Instance:
         regions = [
             RegionDescriptor(addr=region.ctypes.data, size=block, count=region.nbytes // block)
         ]
-        self.kv = KVCR(
+        opened = open_kvcr(
             config,
             null_bindings(framework_control=self.channel),
             KVCRBackendConfigs(framework_regions=regions),
             KVCRGuardConfig(service.socket_path, 0, DIGEST),
         )
+        self.kv, self.runtime = opened.kv, opened.runtime
         self.engine = Engine(self.kv, name)
 
     def close(self) -> None:
@@ -93,7 +94,7 @@ def bench_deposit(
     serial = iter(range(1 << 40))
     try:
         inst = Instance(service, f"rec-{os.getpid()}-{nkeys}", block, region)
-        index = inst.kv._runtime.index
+        index = inst.runtime.index
         mirror = index.journal
         try:
             for rnd in range(2 * rounds):

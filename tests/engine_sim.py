@@ -21,8 +21,8 @@ import trio
 from kvcr.api import KVCR
 from kvcr.config import KVCRBackendConfigs, KVCRConfig, LocalDramOptions
 from kvcr.hints import fetch_hint
-from kvcr.runtime.harness import kvcr_in_loop
 from kvcr.telemetry import InMemoryStats
+from kvcr.testing import kvcr_in_loop, open_kvcr
 from kvcr.types import BlockKey, MemoryRef, OpEntryResult, RegionDescriptor
 
 
@@ -145,7 +145,7 @@ class EngineSim:
 _ENGINE_CALLS = frozenset(
     {
         KVCR.__init__.__code__,
-        KVCR._setup.__code__,  # construction, also through the in-loop harness
+        open_kvcr.__code__,  # construction, with the runtime at hand
         KVCR.poll_completed.__code__,
         KVCR.get_stats.__code__,
         KVCR.close.__code__,

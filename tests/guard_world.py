@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 
 from engine_sim import EngineSim, Recorder, router_hint
-from kvcr import KVCR
 from kvcr.config import KVCRBackendConfigs, KVCRGuardConfig
 from kvcr.control_channels import ZmqPeerControlChannel
+from kvcr.testing import open_kvcr
 from peer_world import EnginePins, IntKeys, key
 from procs import GuardProcess, SourceWorker, free_port
 
@@ -33,7 +33,7 @@ class GuardedWorker:
         )
         pins = EnginePins(self.engine)
         self.recorder = Recorder()
-        self.kv = KVCR(
+        opened = open_kvcr(
             self.engine.config,
             self.recorder.bindings(
                 framework_control=self.channel,
@@ -45,6 +45,7 @@ class GuardedWorker:
             KVCRBackendConfigs(framework_regions=self.engine.backend_configs.framework_regions),
             KVCRGuardConfig(guard.socket_path, index, guard.digest),
         )
+        self.kv, self.runtime = opened.kv, opened.runtime
 
     def pull(self, source: SourceWorker, pairs: list[tuple[int, int]], request: str) -> dict:
         return self.engine.statuses(

@@ -19,8 +19,8 @@ import trio
 
 from engine_sim import EngineSim, Recorder, router_hint
 from kvcr.config import KVCRBackendConfigs, RemoteFWDramOptions
-from kvcr.runtime.harness import kvcr_in_loop
 from kvcr.telemetry import InMemoryStats
+from kvcr.testing import kvcr_in_loop
 from kvcr.transport.fake import FakeControlHub, FakeFabric, FakeTransport
 from kvcr.types import BlockKey, MemoryRef
 
@@ -107,6 +107,7 @@ class Worker:
         self.pins = EnginePins(self.engine)
         self.eager = eager
         self.kv: Any = None
+        self.runtime: Any = None  # the in-loop runtime, for tests that inspect its state
         self.transport: FakeTransport | None = None
         self.step: Callable[[], None] = lambda: self.engine.absorb(self.kv)
 
@@ -133,8 +134,9 @@ class Worker:
             self.transport = FakeTransport(self.engine.name, trio.current_time, self.world.fabric)
             return self.transport
 
-        async with kvcr_in_loop(self.engine.config, self.bindings(), backends, transport) as kv:
-            self.kv = kv
+        async with kvcr_in_loop(self.engine.config, self.bindings(), backends, transport) as opened:
+            self.kv = kv = opened.kv
+            self.runtime = opened.runtime
             async with trio.open_nursery() as scheduler:
                 scheduler.start_soon(self._schedule)
                 yield kv

@@ -35,6 +35,7 @@ from engine_sim import EngineSim, Recorder, router_hint
 from kvcr import KVCR
 from kvcr.config import KVCRBackendConfigs, KVCRGuardConfig
 from kvcr.control_channels import ZmqPeerControlChannel
+from kvcr.testing import open_kvcr
 from kvcr.types import CacheTier
 from peer_world import EnginePins, IntKeys, key
 
@@ -71,7 +72,8 @@ def main() -> None:
         framework_regions=engine.backend_configs.framework_regions,
         local_dram=None if guard else engine.backend_configs.local_dram,
     )
-    kv = KVCR(engine.config, bindings, backends, guard)
+    opened = open_kvcr(engine.config, bindings, backends, guard)
+    kv, runtime = opened.kv, opened.runtime
 
     def deposit(items: list[tuple[int, int, int]]) -> dict[int, tuple[str, list[int]]]:
         for _k, element, seed in items:
@@ -103,7 +105,7 @@ def main() -> None:
             "cancelled": list(pins.cancelled),
         }
 
-    soak = Soak(kv, engine, pins, recorder)
+    soak = Soak(kv, runtime, engine, pins, recorder)
     commands = {
         "soak_deposit": soak.deposit,
         "soak_deliver": soak.deliver,
@@ -121,10 +123,10 @@ def main() -> None:
         "engine_has": engine_has,
         "hold_pins": lambda hold: setattr(pins, "hold_back", hold),
         "pin_state": pin_state,
-        "claims": lambda k: kv._runtime.index.get(key(k)).claims,
+        "claims": lambda k: runtime.index.get(key(k)).claims,
         "query": lambda ks: [status.name for status, _ in kv.query([key(k) for k in ks])],
         "get_stats": lambda: None,
-        "dropped": lambda: dict(kv._runtime.peers.dropped),
+        "dropped": lambda: dict(runtime.peers.dropped),
         "callback_threads": lambda: (recorder.threads.calls, list(recorder.threads.wrong)),
     }
     try:
@@ -166,8 +168,11 @@ class Soak:
     """The soak's commands (see soak.py). Content is ``write(element, seed=key)`` everywhere,
     so every copy of key k has the same checksum, which the parent computes on its own."""
 
-    def __init__(self, kv: KVCR, engine: EngineSim, pins: EnginePins, recorder: Recorder) -> None:
+    def __init__(
+        self, kv: KVCR, runtime: Any, engine: EngineSim, pins: EnginePins, recorder: Recorder
+    ) -> None:
         self.kv = kv
+        self.runtime = runtime
         self.engine = engine
         self.pins = pins
         self.recorder = recorder
@@ -251,10 +256,8 @@ class Soak:
         handle = self.kv.fetch([key(k) for k in keys], request)
         entries = self.engine.wait(self.kv, handle, len(keys))
         self.kv.discard_hint(request)
-        (_, base, _), (_, block) = (
-            self.kv._backend_configs.local_dram.pools[0],
-            self.kv.config.pool_layouts[0],
-        )
+        memory, (_, block) = self.runtime.memory, self.kv.config.pool_layouts[0]
+        base = memory.desc_addrs[memory.pool_base[0]]  # the pool's first slot
         out: dict[int, tuple[str, int | None]] = {}
         for k in keys:
             entry = entries[key(k)]
@@ -284,23 +287,23 @@ class Soak:
             self.pins.engine_has[key(k)] = HELD + i
 
     def resident(self) -> list[int]:
-        return sorted(int.from_bytes(k, "big") for k in list(self.kv._runtime.index.blocks))
+        return sorted(int.from_bytes(k, "big") for k in list(self.runtime.index.blocks))
 
     def _busy(self) -> dict[str, int]:
         """What is still in flight in the instance (all zero once quiet)."""
-        rt = self.kv._runtime
+        rt = self.runtime
         peers, transfers = rt.peers, rt.transfers
         assert peers is not None and transfers is not None
         return {
             "ops": len(rt.ops),
-            "open_ops": len(self.kv._open_ops),
+            "open_ops": len(self.runtime.shared.open_ops),
             "transfers": transfers.in_flight,
             "pulls": peers.pulls_in_flight(),
             "source_jobs": len(peers.source.jobs),
             "pins_outstanding": peers.pins.outstanding,
             "pins_abandoned": len(peers.pins._abandoned),
             "engine_pins": len(self.pins.pinned),
-            "outbox": len(rt.outbox.results) + len(rt.callbacks.queue),
+            "outbox": len(rt.outbox.results) + len(rt.shared.calls.queue),
         }
 
     def quiet(self, timeout: float) -> float:
@@ -329,7 +332,7 @@ class Soak:
 
     def audit(self) -> dict[str, Any]:
         """The instance's accounting and this process's resources; call once quiet."""
-        rt = self.kv._runtime
+        rt = self.runtime
         local, peers = rt.local, rt.peers
         assert local is not None and peers is not None
         for event in self.recorder.inventory:
@@ -355,7 +358,7 @@ class Soak:
             "inventory": sorted(self.inventory),
             "held": held_keys,
             "handles_runtime": sorted(int.from_bytes(k, "big") for k in local.handles.values()),
-            "handles_live": len(self.kv._live_handles),
+            "handles_live": len(self.runtime.shared.live_handles),
             "claims": {
                 int.from_bytes(k, "big"): b.claims
                 for k, b in list(rt.index.blocks.items())

@@ -24,6 +24,7 @@ from kvcr.telemetry import (
     TRANSFER_BYTES_METRIC,
     InMemoryStats,
 )
+from kvcr.testing import open_kvcr
 from kvcr.transport.base import TransportError
 from kvcr.types import CacheTier, PlacementAction, QueryStatus
 
@@ -54,7 +55,8 @@ class Instance:
         )
         backends = dataclasses.replace(self.engine.backend_configs, g3=self.g3)
         bindings.setdefault("stats_factory", InMemoryStats)
-        self.kv = KVCR(self.engine.config, self.recorder.bindings(**bindings), backends)
+        opened = open_kvcr(self.engine.config, self.recorder.bindings(**bindings), backends)
+        self.kv, self.runtime = opened.kv, opened.runtime
         self.sums: dict[int, list[int]] = {}
 
     def deposit(self, ids: list[int]) -> dict:
@@ -151,7 +153,7 @@ def test_a_failed_store_goes_to_the_policy(tmp_path) -> None:
     inst = Instance(tmp_path, policy=policy)
     try:
         inst.deposit([0, 1, 2, 3])
-        g3 = inst.kv._runtime.g3
+        g3 = inst.runtime.g3
 
         def refuse(*args: object) -> object:
             raise TransportError("injected: the file backend refuses")

@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from kvcr.guard import cli
-from kvcr.guard.service import Guard
+from kvcr.guard.guard import Guard
 from kvcr.logs import capture_events
 
 pytestmark = pytest.mark.integration

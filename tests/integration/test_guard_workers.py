@@ -137,7 +137,7 @@ def test_a_replacement_for_a_sigkilled_worker_starts_warm(guard) -> None:
     try:
         keys = [key(k) for k in range(8)]
         assert heir.kv.query([*keys, key(99)]) == [HIT] * 8 + [MISS]
-        assert 0 < heir.kv._runtime.gauges()["journal_fill_percent"] < 100
+        assert 0 < heir.runtime.gauges()["journal_fill_percent"] < 100
         # The service follows the holder's journal: operators see it in `status`.
         wait_until(lambda: guard.client.status()[0].journal_blocks == 8, what="journal followed")
         assert not guard.client.status()[0].recovery_disabled

@@ -8,11 +8,13 @@ finishes, and can delay, fail, refuse or never finish a transfer.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import trio
 
 from engine_sim import EngineSim, Recorder, key
-from kvcr.runtime.harness import kvcr_in_loop
+from kvcr.testing import kvcr_in_loop
 from kvcr.transport.fake import NEVER, Behavior, FakeTransport
 from kvcr.types import CacheTier, QueryStatus, TransferError
 
@@ -29,20 +31,23 @@ class World:
         self.recorder = Recorder()
         self.fake = FakeTransport(self.engine.name, trio.current_time)
 
-    def open(self):
-        return kvcr_in_loop(
+    @contextlib.asynccontextmanager
+    async def open(self):
+        async with kvcr_in_loop(
             self.engine.config,
             self.recorder.bindings(),
             self.engine.backend_configs,
             lambda: self.fake,
-        )
+        ) as opened:
+            self.runtime = opened.runtime
+            yield opened.kv
 
     async def settle(self) -> None:
         """Let the runtime process everything that is runnable right now."""
         await trio.testing.wait_all_tasks_blocked()
 
     def free_slots(self, kv) -> int:
-        return kv._runtime.index.free_keys
+        return self.runtime.index.free_keys
 
     def events(self) -> list[tuple[int, str]]:
         return [(e.op_handle, e.state) for e in self.recorder.resilience]
@@ -121,13 +126,13 @@ async def test_deliver_past_the_deadline_reports_destination_memory_uncertain(au
         assert error.destination_owner == "framework"
         assert error.destination_regions == tuple(world.engine.refs(5))
         # The block stays claimed by the stuck transfer: it cannot be evicted meanwhile.
-        assert kv._runtime.index.get(key(0)).claims == 1
+        assert world.runtime.index.get(key(0)).claims == 1
 
         world.fake.finish(world.fake.in_flight()[0])
         await trio.sleep(0.01)
         kv.poll_completed()
         assert world.events()[-1] == (handle, "quiesced")
-        assert kv._runtime.index.get(key(0)).claims == 0
+        assert world.runtime.index.get(key(0)).claims == 0
 
 
 async def test_a_failed_transfer_fails_its_entries_and_frees_memory(autojump_clock):

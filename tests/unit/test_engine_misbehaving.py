@@ -114,7 +114,7 @@ async def test_a_misbehaving_engine_gets_truthful_answers_and_the_source_keeps_s
     with capture_events() as events:
         async with a.running(), b.running():
             pinned, pooled = await pull_pinned_then_pooled(a, b, world)
-            assert not a.kv._runtime.audit()
+            assert not a.runtime.audit()
 
     assert pinned == {key(3): pinned_status}
     assert pooled == {key(0): "SUCCESS"}
@@ -136,7 +136,7 @@ async def test_a_release_refused_for_good_is_reported_and_the_source_keeps_servi
         async with b.running(), a.running():
             pinned, pooled = await pull_pinned_then_pooled(a, b, world)
             await trio.sleep(10)  # ten refusals by now
-            assert a.kv._runtime.peers.pins.outstanding == 2
+            assert a.runtime.peers.pins.outstanding == 2
             # The source closes anyway (first), telling which pins are still out.
 
     assert (pinned, pooled) == ({key(3): "SUCCESS"}, {key(0): "SUCCESS"})

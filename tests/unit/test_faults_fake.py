@@ -82,7 +82,7 @@ class Ledger:
 
     @property
     def runtime(self) -> Any:
-        return self.worker.kv._runtime
+        return self.worker.runtime
 
     def attach(self) -> None:
         transport = self.worker.transport

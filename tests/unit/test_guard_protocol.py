@@ -333,7 +333,7 @@ def test_constructing_an_invalid_message_in_code_fails_too():
         attrs.evolve(GRANTED, pools=[("a", 0, 1), ("a", 1, 1)])
     with pytest.raises(ValueError, match="state"):
         GroupStatus(index=0, state="x", holder_pid=None, layouts=[], control_port=None)
-    assert set(GROUP_STATES) == {"idle", "held", "serving", "handing_back"}
+    assert set(GROUP_STATES) == {"idle", "held", "serving", "handing_back", "unusable"}
 
 
 def test_encode_frame_refuses_an_oversized_body():

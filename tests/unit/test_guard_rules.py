@@ -35,8 +35,9 @@ def test_every_legal_move_is_in_the_table_and_anything_else_raises() -> None:
     assert TRANSITIONS == {
         "idle": {"claim": "held", "takeover": "serving"},
         "held": {"release": "idle", "holder_exit": "idle"},
-        "serving": {"claim": "handing_back", "stop": "idle"},
-        "handing_back": {"handed_back": "held", "stop": "idle"},
+        "serving": {"claim": "handing_back", "stop": "idle", "unsafe": "unusable"},
+        "handing_back": {"handed_back": "held", "stop": "idle", "unsafe": "unusable"},
+        "unusable": {},
     }
     events = {e for moves in TRANSITIONS.values() for e in moves}
     for state, moves in TRANSITIONS.items():
@@ -48,6 +49,22 @@ def test_every_legal_move_is_in_the_table_and_anything_else_raises() -> None:
             else:
                 with pytest.raises(IllegalTransition, match=f"can't handle event '{event}'"):
                     group.move(event)
+
+
+def test_an_unusable_group_is_never_lent_again_and_the_refusal_says_why(groups) -> None:
+    groups.grant(request(), 5000)
+    assert groups.end_lease(0, groups[0].lease.number, "holder_exit")
+    groups.move(0, "takeover")
+    groups.move(0, "claim")  # a claimant arrived: the server is being handed back
+    groups.mark_unusable(0, "a transfer of its server may still read its pools")
+
+    assert groups[0].state == "unusable"
+    refusal = groups.check_claim(request(), PID)
+    assert refusal is not None and refusal.code == "held"
+    assert "cannot be lent again (a transfer of its server may still read its pools)" in (
+        refusal.message
+    )
+    assert groups.check_claim(request(guard_index=1), PID) is None  # the others still are
 
 
 def test_a_grant_holds_the_group_under_a_fresh_lease(groups) -> None:

@@ -42,7 +42,7 @@ async def test_a_hinted_deliver_pulls_kvcr_owned_blocks_byte_exact(autojump_cloc
         for i in range(3):
             assert b.engine.checksum(10 + i) == a.engine.checksum(i)
         # The source's claims were dropped once the write was over.
-        assert all(a.kv._runtime.index.get(key(i)).claims == 0 for i in range(3))
+        assert all(a.runtime.index.get(key(i)).claims == 0 for i in range(3))
 
 
 async def test_a_hinted_fetch_pulls_engine_memory_into_local_g2(autojump_clock):
@@ -163,7 +163,7 @@ async def test_past_the_deadline_the_destination_fails_probes_and_holds_memory(a
         await trio.sleep(0.01)
         b.kv.poll_completed()
         assert b.events() == [(handle, "uncertain"), (handle, "quiesced")]
-        assert a.kv._runtime.index.get(key(0)).claims == 0
+        assert a.runtime.index.get(key(0)).claims == 0
 
 
 async def test_a_source_cancels_a_write_hung_past_its_abandon_deadline(autojump_clock):
@@ -183,7 +183,7 @@ async def test_a_source_cancels_a_write_hung_past_its_abandon_deadline(autojump_
 
         write = a.transport.posted[-1]  # after the local deposit
         assert write.released and write.state.value == "ERR"  # cancelled at 3 s
-        assert a.kv._runtime.index.get(key(0)).claims == 0
+        assert a.runtime.index.get(key(0)).claims == 0
         assert world.sent("over")[-1].reason == (
             "the write failed: cancelled: still running at abandon_timeout_ms"
         )

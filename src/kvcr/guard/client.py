@@ -71,7 +71,7 @@ class KVCRClient:
         carry, KVCRGuardProtocolError when the service refuses (its message says why),
         KVCRSocketError when it cannot be reached in time.
         """
-        return self._claim(
+        return self.claim_advertised(
             guard_index,
             pool_layouts,
             compatibility_digest,
@@ -80,7 +80,7 @@ class KVCRClient:
             remote_fw_dram_backend=remote_fw_dram_backend,
         )
 
-    def _claim(
+    def claim_advertised(
         self,
         guard_index: int,
         pool_layouts: Sequence[tuple[str, int]],

@@ -69,7 +69,7 @@ REFUSAL_CODES = (
     "bad_request",
     "permission_denied",
 )
-GROUP_STATES = ("idle", "held", "serving", "handing_back")
+GROUP_STATES = ("idle", "held", "serving", "handing_back", "unusable")
 
 
 # --- validators (run on construction, so in-code and decoded values obey the same rules) ---

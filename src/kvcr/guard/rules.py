@@ -11,6 +11,8 @@ pidfd; see :mod:`kvcr.guard.service`).
 When a holder *exits* (not when it releases), the service takes over: it serves the group's
 committed blocks to peers on the group's endpoint (``serving``) until a new claim arrives,
 then stops serving and hands the state back (``handing_back``) before the new lease starts.
+A server that cannot stop in order (a transfer of it may still read the pools), or whose
+runtime fails, leaves the group ``unusable``: it is never lent again by this service.
 
 Every legal move of a group is in :data:`TRANSITIONS`; anything else is a bug and raises
 :class:`IllegalTransition`. A refused claim changes nothing.
@@ -26,8 +28,9 @@ from kvcr.guard.protocol import ClaimRequest, G3Description, GroupStatus
 TRANSITIONS: dict[str, dict[str, str]] = {
     "idle": {"claim": "held", "takeover": "serving"},
     "held": {"release": "idle", "holder_exit": "idle"},
-    "serving": {"claim": "handing_back", "stop": "idle"},
-    "handing_back": {"handed_back": "held", "stop": "idle"},
+    "serving": {"claim": "handing_back", "stop": "idle", "unsafe": "unusable"},
+    "handing_back": {"handed_back": "held", "stop": "idle", "unsafe": "unusable"},
+    "unusable": {},
 }
 CLAIMABLE = ("idle", "serving")
 
@@ -69,6 +72,7 @@ class Group:
     terms: Terms | None = None
     control_port: int | None = None  # the bound port of the group's listener, once bound
     lease: Lease | None = None
+    unusable_reason: str | None = None
 
     def move(self, event: str) -> None:
         try:
@@ -123,6 +127,12 @@ class Groups:
                 f"indices 0..{len(self.groups) - 1}",
             )
         group = self.groups[request.guard_index]
+        if group.state == "unusable":
+            return Refusal(
+                "held",
+                f"{what}: the group cannot be lent again ({group.unusable_reason}); restart "
+                "the service to reuse it",
+            )
         if group.state not in CLAIMABLE:
             holder = f" by pid {group.lease.pid}" if group.lease else ""
             return Refusal(
@@ -206,6 +216,12 @@ class Groups:
         """A move the service makes itself: ``takeover``, ``claim`` of a serving group (it
         is being handed back), ``stop``."""
         self.groups[index].move(event)
+
+    def mark_unusable(self, index: int, reason: str) -> None:
+        """The group's server could not stop in order (or failed): never lend it again."""
+        group = self.groups[index]
+        group.move("unsafe")
+        group.unusable_reason = reason
 
     def check_release(self, index: int, lease: int, peer_pid: int) -> Refusal | None:
         what = f"release of group {index} lease {lease}"

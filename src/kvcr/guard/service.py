@@ -36,8 +36,8 @@ import trio
 
 from kvcr.errors import KVCRMsgFramingError
 from kvcr.guard import protocol as wire
-from kvcr.guard.journal import Follower, Replay
-from kvcr.guard.pools import GroupFile, create_group_file, map_group, plan_group, reclaim_orphans
+from kvcr.guard.guard import Guard, with_journal
+from kvcr.guard.pools import create_group_file, plan_group, reclaim_orphans
 from kvcr.guard.procs import (
     PeerCred,
     access_refusal,
@@ -46,7 +46,6 @@ from kvcr.guard.procs import (
     peer_cred,
 )
 from kvcr.guard.rules import Groups, Lease, Refusal
-from kvcr.guard.serving import CannotServe, GroupServer
 
 MAX_CONNECTIONS = 256
 CONTROL_BACKLOG = 128
@@ -67,176 +66,6 @@ class ServiceConfig:
     compatibility_digest: str
     idle_timeout_s: float = 5.0  # a connection that sends nothing for this long is closed
     allowed_gid: int | None = None  # besides the service's uid: members of this group
-
-
-class Guard:
-    """One pool group: its file and mapping, its control listener (bound on the first claim,
-    kept for the group's life), the watch on the current holder's pidfd, and, after a
-    holder died, the server of its committed blocks."""
-
-    def __init__(self, index: int, file: GroupFile, groups: Groups, log: Any) -> None:
-        self.index = index
-        self.file = file
-        self.mapping = map_group(file.fd, file.layout)
-        self.server: GroupServer | None = None
-        self.groups = groups
-        self.log = log.bind(group=index)
-        self.lock = trio.Lock()  # one claim of this group at a time, across awaits
-        self.listener: socket.socket | None = None
-        # Unbounded, yet short: a lease is queued per grant and taken at the Guard's next turn.
-        self._send, self._leases = trio.open_memory_channel[tuple[Lease, int]](math.inf)
-        self._watch: tuple[int, trio.CancelScope] | None = None
-        # Set when a server of this group might still have a transfer reading its pools:
-        # lending the group again could let a new holder rewrite memory under it.
-        self.unusable: str | None = None
-        journal_offset, journal_size = file.layout.journal
-        self.follower = Follower(
-            memoryview(self.mapping.mmap)[journal_offset : journal_offset + journal_size]
-        )
-        self.journal: Replay | None = None  # what the follower saw last
-
-    async def control_listener(self, host: str, port: int) -> socket.socket:
-        """The group's listening TCP socket, bound to (host, port) on first use."""
-        if self.listener is None:
-            try:
-                infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-            except (UnicodeError, ValueError) as exc:  # e.g. an over-long label
-                raise OSError(f"bad host {host!r}: {exc}") from None
-            family, kind, proto, _, address = infos[0]
-            sock = socket.socket(family, kind, proto)
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.bind(address)
-                sock.listen(CONTROL_BACKLOG)
-            except BaseException:
-                sock.close()
-                raise
-            self.listener = sock
-            self.log.info("control_bound", address=f"{host}:{sock.getsockname()[1]}")
-        return self.listener
-
-    def watch(self, lease: Lease, pidfd: int) -> None:
-        """Fence ``lease`` by ``pidfd`` (now owned by the Guard) until it ends."""
-        try:
-            self._send.send_nowait((lease, pidfd))
-        except BaseException:
-            close_quietly(pidfd)
-            raise
-
-    def released(self, lease: int, activated: bool = True) -> None:
-        if self.groups.end_lease(self.index, lease, "release"):
-            self.log.info("lease_ended", lease=lease, reason="released", activated=activated)
-        if self._watch is not None and self._watch[0] == lease:
-            self._watch[1].cancel()
-
-    async def run(self) -> None:
-        async for lease, pidfd in self._leases:
-            exited = False
-            try:
-                with trio.CancelScope() as scope:
-                    self._watch = (lease.number, scope)
-                    current = self.groups[self.index].lease
-                    if current is not None and current.number == lease.number:
-                        await trio.lowlevel.wait_readable(pidfd)
-                        exited = self.groups.end_lease(self.index, lease.number, "holder_exit")
-            finally:
-                self._watch = None
-                close_quietly(pidfd)
-            if exited:
-                self.log.info("lease_ended", lease=lease.number, pid=lease.pid, reason="exited")
-                async with self.lock:
-                    await self._take_over()
-
-    async def follow(self, interval_s: float = FOLLOW_INTERVAL_S) -> None:
-        """Keep up with the group's journal while somebody writes it (the holder, or this
-        Guard's own server), for ``status``. A failure here is logged, not fatal."""
-        while True:
-            if self.groups[self.index].state in ("held", "serving"):
-                try:
-                    self.journal = await trio.to_thread.run_sync(self.follower.poll)
-                except Exception as exc:
-                    self.log.warning("journal_follow_failed", error=repr(exc))
-            await trio.sleep(interval_s)
-
-    async def _take_over(self) -> None:
-        """Serve the dead holder's committed blocks on the group's endpoint. If that is not
-        possible (no address peers could use, or the server fails to start), the group just
-        stays idle and claimable: serving is a bonus, fencing leases is what must not fail."""
-        group = self.groups[self.index]
-        if group.state != "idle" or group.terms is None or self.listener is None:
-            return
-        started = trio.current_time()
-        try:
-            self.server = await trio.to_thread.run_sync(
-                GroupServer.start, self.index, group.terms, self.mapping, self.listener, self.log
-            )
-        except CannotServe as exc:
-            self.log.warning("not_serving", reason=str(exc))
-            return
-        except Exception as exc:
-            self.log.error("takeover_failed", error=repr(exc))
-            return
-        self.groups.move(self.index, "takeover")
-        self.log.info("took_over", seconds=round(trio.current_time() - started, 6))
-
-    async def hand_back(self) -> None:
-        """A claim arrived for the group this Guard serves: stop serving first (the journal
-        then holds what the server held, for the claimant to recover). If the server could
-        not stop cleanly, the group becomes unusable instead (see ``unusable``)."""
-        self.groups.move(self.index, "claim")
-        started = trio.current_time()
-        server, self.server = self.server, None
-        try:
-            clean = await trio.to_thread.run_sync(server.close) if server is not None else True
-        except Exception as exc:
-            clean, reason = False, f"its server failed to stop: {exc!r}"
-        else:
-            reason = "a transfer of its server may still read its pools"
-        if not clean:
-            self.unusable = reason
-            self.groups.move(self.index, "stop")
-            self.log.error("group_unusable", reason=reason)
-            return
-        self.log.info("handed_back", seconds=round(trio.current_time() - started, 6))
-
-    def close(self) -> None:
-        """Blocking: stop serving, close the listener, unmap, remove the group file."""
-        server, self.server = self.server, None
-        try:
-            if server is not None:
-                server.close()
-        finally:
-            if self.listener is not None:
-                self.listener.close()
-                self.listener = None
-            self.follower.release()
-            try:
-                self.mapping.close()
-            finally:
-                self.file.close(unlink=True)
-
-
-def _with_journal(status: wire.GroupStatus, replay: Replay | None) -> wire.GroupStatus:
-    """``status`` with what the group's journal held when the service last read it."""
-    if replay is None or (replay.epoch == 0 and not replay.disabled):
-        return status  # never read, or nobody ever wrote it
-    fill = 100 if replay.disabled else min(100, round(100 * replay.used / replay.half_size))
-    return attrs.evolve(
-        status,
-        journal_fill_percent=fill,
-        journal_blocks=len(replay.state),
-        recovery_disabled=replay.disabled,
-    )
-
-
-def _usable(guard: Guard) -> Refusal | None:
-    if guard.unusable is None:
-        return None
-    return Refusal(
-        "held",
-        f"claim of group {guard.index}: the group cannot be lent again ({guard.unusable}); "
-        "restart the service to reuse it",
-    )
 
 
 class GuardService:
@@ -260,6 +89,7 @@ class GuardService:
             assert self._listener is not None
             async with trio.open_nursery() as supervisor:
                 for guard in self.guards:
+                    guard.nursery = supervisor
                     supervisor.start_soon(self._supervise, guard)
                     supervisor.start_soon(guard.follow)
                 supervisor.start_soon(self._accept, supervisor)
@@ -551,15 +381,15 @@ class GuardService:
         """Check and lend ``guard``'s group, handing it back first if the Guard serves it.
         One claim of a group at a time: binding its listener and handing back await."""
         async with guard.lock:
-            refusal = self.groups.check_claim(request, cred.pid) or _usable(guard)
+            refusal = self.groups.check_claim(request, cred.pid)
             if refusal is not None:
                 return refusal
             handed_back = self.groups[guard.index].state == "serving"
             try:
                 if handed_back:
                     await guard.hand_back()
-                    if (refusal := _usable(guard)) is not None:
-                        return refusal
+                    if self.groups[guard.index].state == "unusable":
+                        return self.groups.check_claim(request, cred.pid)  # says why
                 return await self._lend(conn, log, guard, request, pidfd)
             finally:
                 if self.groups[guard.index].state == "handing_back":
@@ -597,7 +427,7 @@ class GuardService:
 
     def _status(self) -> list[wire.GroupStatus]:
         return [
-            _with_journal(status, guard.journal)
+            with_journal(status, guard.journal)
             for status, guard in zip(self.groups.status(), self.guards)
         ]
 

@@ -1,11 +1,16 @@
-"""The service serving a pool group whose holder died: a KVCR over the group's pools, in the
-service process, on the group's control endpoint.
+"""Serving a pool group whose holder died: a runtime over the group's pools, on the group's
+control endpoint, as a task of the guard service's supervisor nursery.
 
-It starts warm from the group's journal (so it holds exactly the blocks the dead worker had
-committed), has no engine (no framework regions, so nothing is ever pinned) and is only a
-source: peers' pulls aimed at the dead worker's incarnation are refused at once (``Over``),
-after which they ask this new incarnation and get whatever it holds. At hand back it is
-closed: it flushes its mirror, so the next holder recovers the same state.
+The runtime is built like any other (``runtime/build.py``) and starts warm from the group's
+journal, so it holds exactly the blocks the dead worker had committed. It has no engine
+(no bindings, no framework regions: nothing is ever pinned) and is only a source: peers'
+pulls aimed at the dead worker's incarnation are refused at once (``Over``), after which
+they ask this new incarnation and get whatever it holds. It runs in the service's own trio
+loop; its blocking NIXL setup and teardown go through ``trio.to_thread``.
+
+To hand the group back, the server's task is cancelled: the runtime then stops in order
+(it waits for writes in flight, bounded by ``abandon_timeout_ms``) and flushes its mirror,
+so the next holder recovers the same state.
 """
 
 from __future__ import annotations
@@ -14,12 +19,14 @@ import itertools
 import os
 from typing import Any
 
-from kvcr.api import KVCR, KVCRBindings
+import trio
+
 from kvcr.config import KVCRBackendConfigs, KVCRConfig, LocalDramOptions, RemoteFWDramOptions
 from kvcr.control_channels import ZmqPeerControlChannel
 from kvcr.guard.pools import GroupMapping
 from kvcr.guard.rules import Terms
-from kvcr.types import PinRequestId
+from kvcr.instance import nixl_factory
+from kvcr.runtime.build import Journal, build
 
 _WILDCARDS = {"", "0.0.0.0", "::", "*"}
 _instances = itertools.count(1)
@@ -29,16 +36,37 @@ class CannotServe(Exception):
     """The group cannot be served (nothing to do with a failure of the service)."""
 
 
+class _Started:
+    """trio's task_status, remembering whether the runtime said it started."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.done = False
+
+    def started(self, value: object = None) -> None:
+        self.done = True
+        self.inner.started(value)
+
+
 class GroupServer:
-    def __init__(self, kv: KVCR, channel: ZmqPeerControlChannel) -> None:
-        self.kv = kv
+    def __init__(
+        self, index: int, runtime: Any, channel: ZmqPeerControlChannel, shared: Any, log: Any
+    ) -> None:
+        self.index = index
+        self.runtime = runtime
         self.channel = channel
+        self.shared = shared
+        self.log = log
+        self.scope = trio.CancelScope()
+        self.ended = trio.Event()
+        self.failure: str | None = None  # why the runtime stopped on its own, if it did
 
     @classmethod
-    def start(
+    def prepare(
         cls, index: int, terms: Terms, mapping: GroupMapping, listener: Any, log: Any
     ) -> GroupServer:
-        """Blocking (NIXL start-up and registration): run it in a thread."""
+        """Build the group's runtime over its pools and journal, not started yet
+        (CannotServe when the group cannot be served)."""
         host, port = listener.getsockname()[:2]
         advertise = terms.advertise or host
         if advertise in _WILDCARDS:
@@ -47,54 +75,80 @@ class GroupServer:
                 "which address peers use"
             )
         channel = ZmqPeerControlChannel(host, port, advertise)
-        channel.adopt_listener(listener.fileno())
-        layouts = list(terms.layouts)
-        pools = [
-            (name, address, size)
-            for (name, _), address, (_, size) in zip(
-                layouts, mapping.pool_addresses, mapping.layout.pools
-            )
-        ]
         journal_offset, journal_size = mapping.layout.journal
         journal = memoryview(mapping.mmap)[journal_offset : journal_offset + journal_size]
-        started = False
         try:
-            kv = KVCR._over_journal(
-                KVCRConfig(f"kvcr-guard-{os.getpid()}-g{index}-{next(_instances)}", layouts),
-                KVCRBindings(
-                    request_pin=lambda keys: PinRequestId(0),  # never called: no engine memory
-                    poll_pin_results=list,
-                    release_pin=lambda handle: True,
-                    framework_control=channel,
-                ),
-                KVCRBackendConfigs(
-                    local_dram=LocalDramOptions(pools=pools),
-                    remote_fw_dram=RemoteFWDramOptions(
-                        eager_ctrl_connect=False, backend=terms.backend
-                    ),
-                ),
-                journal,
-                index,
+            channel.adopt_listener(listener.fileno())
+            layouts = list(terms.layouts)
+            pools = [
+                (name, address, size)
+                for (name, _), address, (_, size) in zip(
+                    layouts, mapping.pool_addresses, mapping.layout.pools
+                )
+            ]
+            config = KVCRConfig(f"kvcr-guard-{os.getpid()}-g{index}-{next(_instances)}", layouts)
+            backends = KVCRBackendConfigs(
+                local_dram=LocalDramOptions(pools=pools),
+                remote_fw_dram=RemoteFWDramOptions(eager_ctrl_connect=False, backend=terms.backend),
             )
-            started = True
-        finally:
-            if not started:
-                # The runtime owns the view once it runs; before that it is ours to let go
-                # of (a live view would keep the group from ever being unmapped).
-                journal.release()
-                channel.close()
-        log.info("serving", group=index, blocks=len(kv._runtime.index), endpoint=channel.endpoint)
-        return cls(kv, channel)
+            built = build(
+                config,
+                backends,
+                nixl_factory(config, backends),
+                log=log.bind(agent=config.nixl_agent_name),
+                control=channel,
+                journal=Journal(journal, index),
+                offload_blocking=True,  # the service's loop serves every group and claim
+            )
+        except BaseException:
+            # Not handed to a runtime: ours to let go of (a live view would keep the group
+            # from ever being unmapped).
+            journal.release()
+            channel.close()
+            raise
+        return cls(index, built.runtime, channel, built.shared, log)
 
-    def close(self) -> bool:
-        """Blocking: stop serving once no transfer reads the pools. False if a transfer
-        might still read them after the abandon deadline (then the group must not be lent
-        again); the journal holds what this server held either way."""
+    async def start(self, nursery: trio.Nursery) -> None:
+        """Run the runtime as a task of ``nursery``; returns once it serves. A failure to
+        start raises here. Cancelled meanwhile, it returns only once the runtime stopped."""
+        await nursery.start(self._serve)
+        self.log.info(
+            "serving",
+            group=self.index,
+            blocks=len(self.runtime.index),
+            endpoint=self.channel.endpoint,
+        )
+
+    async def _serve(self, *, task_status: Any) -> None:
+        log = self.log
+        started = _Started(task_status)
         try:
-            self.kv.close()
+            with self.scope:
+                await self.runtime.serve(task_status=started)
+                self.failure = "its runtime stopped"  # nobody sends it Close: a bug
+        except Exception as exc:
+            if not started.done:
+                raise  # failed to start: nursery.start raises it to the caller
+            self.failure = f"its runtime failed: {exc!r}"
+            log.exception("serving_failed", group=self.index, error=repr(exc))
         finally:
             self.channel.close()
-        # Its runtime objects refer to each other and would wait for a full garbage
-        # collection; nothing else can post to this server's inbox, so close its fd now.
-        self.kv._runtime.inbox.close()
-        return not self.kv._runtime.leaked
+            # No engine thread can post to them: give their eventfds back now rather than at
+            # the next full garbage collection of the runtime's reference cycles.
+            self.shared.commands.close()
+            self.shared.answers.close()
+            self.ended.set()
+
+    @property
+    def clean(self) -> bool:
+        """Whether no transfer of the runtime can still read the pools: it stopped in order
+        and nothing was left in flight (a runtime that failed may have left anything)."""
+        return self.ended.is_set() and self.failure is None and not self.runtime.leaked
+
+    async def stop(self) -> bool:
+        """Stop serving once no transfer reads the pools; False if a transfer might still
+        read them after the abandon deadline (then the group must not be lent again). The
+        journal holds what this server held either way."""
+        self.scope.cancel()
+        await self.ended.wait()
+        return self.clean

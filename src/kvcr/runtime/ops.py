@@ -21,6 +21,7 @@ import trio
 
 from kvcr.runtime.engine_calls import EngineCalls
 from kvcr.runtime.transfers import Xfer
+from kvcr.telemetry import SCOPE_LOCAL_DELIVER, SCOPE_LOCAL_FETCH, SCOPE_LOCAL_FILL
 from kvcr.types import BlockKey, MemoryRef, OpEntryResult, OpEntryStatus, OpResult, TransferError
 
 if TYPE_CHECKING:
@@ -32,15 +33,33 @@ DROPPED = OpEntryResult(OpEntryStatus.DROPPED)
 SUCCESS = OpEntryResult(OpEntryStatus.SUCCESS)
 
 
+@attrs.frozen
+class Deadlines:
+    """The two deadlines of an operation (or of a source's pull), both measured from one
+    start: ``operation_timeout_ms`` answers the caller, ``abandon_timeout_ms`` is when
+    memory a transfer still holds is reported. Every deadline of an operation or a pull is
+    computed here."""
+
+    start: float
+    deadline: float
+    abandon_at: float
+
+    @classmethod
+    def starting(cls, start: float, config: Any) -> Deadlines:
+        return cls(
+            start,
+            start + config.operation_timeout_ms / 1000,
+            start + config.abandon_timeout_ms / 1000,
+        )
+
+
 @attrs.define(eq=False)
 class Operation:
     handle: int
     kind: str  # "deposit" | "fetch" | "deliver"
     keys: list[BlockKey]
     pending: set[BlockKey]
-    started: float
-    deadline: float
-    abandon_at: float
+    clock: Deadlines
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     # In flight -> keys: local transfers, and pulls a peer may still write.
     xfers: dict[Xfer | RemotePull, frozenset[BlockKey]] = attrs.field(factory=dict)
@@ -57,12 +76,24 @@ class Operation:
     ok_keys: set[BlockKey] = attrs.field(factory=set)
     failure: str | None = None
 
+    started: float = attrs.field(init=False)  # when the engine asked (telemetry)
+
+    def __attrs_post_init__(self) -> None:
+        self.started = self.clock.start
+
+    @property
+    def deadline(self) -> float:
+        return self.clock.deadline
+
+    @property
+    def abandon_at(self) -> float:
+        return self.clock.abandon_at
+
     def restart_clock(self, start: float, config: Any) -> None:
         """Measure both deadlines from ``start`` from now on (a peer link's one-time setup
         is bounded on its own; the operation's timeouts then cover its transfer)."""
-        self.deadline = start + config.operation_timeout_ms / 1000
-        self.abandon_at = start + config.abandon_timeout_ms / 1000
-        self.scope.deadline = self.deadline
+        self.clock = Deadlines.starting(start, config)
+        self.scope.deadline = self.clock.deadline
 
     def live(self, key: BlockKey) -> bool:
         """Still waiting for an answer (abort answers a key, so withdrawn keys are not)."""
@@ -138,4 +169,34 @@ class Outbox:
             source_owners=("framework",) if op.framework_sources else None,
             destination_regions=op.framework_destinations or None,
             destination_owner="framework" if op.framework_destinations else None,
+        )
+
+
+SCOPES = {"deposit": SCOPE_LOCAL_FILL, "deliver": SCOPE_LOCAL_DELIVER, "fetch": SCOPE_LOCAL_FETCH}
+REMOTE_SCOPES = {"deliver": "remote_deliver", "fetch": "remote_fetch"}
+
+
+def record(op: Operation, telemetry: Any, memory: Any, log: Any) -> None:
+    """An ended operation's telemetry (local and remote parts apart), and its op_failed
+    event when some of its keys failed."""
+    seconds = trio.current_time() - op.started
+    pools, per_key = len(memory.block_sizes), memory.bytes_per_key
+    local_keys = len(op.keys) - len(op.remote_keys)
+    if local_keys or not op.remote_keys:
+        ok = len(op.ok_keys - op.remote_keys)
+        telemetry.operation(
+            SCOPES[op.kind], seconds, ok, local_keys, op.moved * pools, op.moved * per_key
+        )
+    if op.remote_keys:
+        ok, moved = len(op.ok_keys & op.remote_keys), op.moved_remote
+        telemetry.operation(
+            REMOTE_SCOPES[op.kind], seconds, ok, len(op.remote_keys), moved * pools, moved * per_key
+        )
+    if op.failure and len(op.ok_keys) < len(op.keys):
+        log.info(
+            "op_failed",
+            op=op.handle,
+            kind=op.kind,
+            failed=len(op.keys) - len(op.ok_keys),
+            reason=op.failure,
         )

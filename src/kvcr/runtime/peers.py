@@ -26,32 +26,30 @@ The pull states, destination side (any other move is a bug)::
 from __future__ import annotations
 
 import itertools
-import os
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 import trio
 
 from kvcr.runtime.index import BlockIndex
-from kvcr.runtime.memory import MemoryMap
-from kvcr.runtime.ops import Operation, Outbox
+from kvcr.runtime.lifecycle import PULL
+from kvcr.runtime.ops import Operation
 from kvcr.runtime.pins import Pins
+from kvcr.runtime.plane import Plane
 from kvcr.runtime.source import Source
-from kvcr.runtime.timer import sleeper
+from kvcr.runtime.timer import FAST_WINDOW_S, poll_interval, sleeper
 from kvcr.runtime.transfers import Transfers
 from kvcr.transport import messages as m
-from kvcr.transport.auth import UNAUTHENTICATED, PeerAuth, Rejected
 from kvcr.transport.base import Transport, TransportError
-from kvcr.types import (
-    BlockKey,
-)
+from kvcr.types import BlockKey
+
+if TYPE_CHECKING:
+    from kvcr.runtime.build import Context, Shared
+    from kvcr.runtime.local import LocalG2
 
 RECEIVE_POLL_S = 0.002  # only for control channels without a file descriptor
-BUSY_PROGRESS_S = 0.001
-FAST_PROGRESS_S = 0.0002
-FAST_WINDOW_S = 0.01
 # A pull's data is due about when the source could have copied it at this rate; the
 # destination polls fast until then (plus the window), slowly after.
 EXPECTED_BYTES_PER_S = 5e9
@@ -79,66 +77,67 @@ class RemotePull:
     link: Link
     target: int
     keys: list[BlockKey]
-    answered: trio.Event = attrs.field(factory=trio.Event)
-    over: trio.Event = attrs.field(factory=trio.Event)  # the source can no longer write
+    state: str = "sent"  # see lifecycle.PULL; moved only by move()
+    # Set when the source can no longer write (done, or turned away): the answer is in.
+    done: trio.Event = attrs.field(factory=trio.Event)
     written: list[int] = attrs.field(factory=list)
     reason: str = ""
-    abandoned: bool = False
-    # Turned away unread (a new incarnation answered at the endpoint, or the source had no
-    # greeting from us): nothing was written, so asking again, after a new greeting, is safe.
-    turned_away: bool = False
     on_over: list[Callable[[], None]] = attrs.field(factory=list)
     due: float = 0.0  # when its data should have landed (trio time)
 
+    def move(self, event: str) -> str:
+        self.state = PULL.move(self.state, event, f"req {self.req} to {self.link.endpoint}")
+        return self.state
+
+    @property
+    def turned_away(self) -> bool:
+        """Refused unread (a new incarnation answered at the endpoint, or the source had no
+        greeting from us): nothing was written, so asking again, after a new greeting, is
+        safe."""
+        return self.state == "turned_away"
+
 
 class Peers:
+    """The destination side, and the loops that feed both sides: control messages in,
+    NIXL progress and notifications."""
+
     def __init__(
         self,
-        *,
-        channel: Any,
-        transport: Any,
+        context: Context,
+        shared: Shared,
+        transport: Transport,
         transfers: Transfers[Transport],
-        memory: MemoryMap,
         index: BlockIndex,
-        local: Any,
+        local: LocalG2 | None,
         pins: Pins,
-        outbox: Outbox,
-        config: Any,
-        retry_interval_s: float,
-        telemetry: Any,
-        op_ids: Callable[[], int],
-        log: Any,
-        cluster_key: bytes | None = None,
     ) -> None:
-        self.channel = channel
+        self.plane = plane = Plane(context, transport)
+        self.config = context.config
+        self.memory = context.memory
+        self.retry_interval_s = context.remote.metadata_retry_interval_ms / 1000
+        self.telemetry = shared.telemetry
+        self.outbox = shared.outbox
+        self.log = context.log
         self.fine = bool(getattr(transport, "fine_timing", False))
-        self.endpoint: str | None = getattr(channel, "endpoint", None)
         self.transport = transport
-        self.transfers = transfers
-        self.memory = memory
-        self.index = index
-        self.local = local
         self.pins = pins
-        self.outbox = outbox
-        self.config = config
-        self.retry_interval_s = retry_interval_s
-        self.telemetry = telemetry
-        self.op_ids = op_ids
-        self.log = log
-        self.incarnation = int.from_bytes(os.urandom(8), "big") or 1
-        self.auth = PeerAuth(cluster_key, self.incarnation)
         self.links: dict[str, Link] = {}
-        self.source = Source(self)
+        self.source = Source(context, shared, plane, transfers, index, local, pins)
         self._reqs = itertools.count(1)
-        self.nursery: trio.Nursery | None = None
-        self._busy = trio.Event()
-        self.dropped: Counter[str] = Counter()  # by kind: bad input seen from peers
+
+    @property
+    def incarnation(self) -> int:
+        return self.plane.incarnation
+
+    @property
+    def dropped(self) -> Counter[str]:
+        return self.plane.dropped
 
     # -- plumbing --------------------------------------------------------------------------
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
-            self.nursery = nursery
+            self.plane.nursery = nursery
             nursery.start_soon(self._receive_loop)
             nursery.start_soon(self._progress_loop)
             task_status.started()
@@ -155,53 +154,16 @@ class Peers:
             "pulls_in_flight": self.pulls_in_flight(),
             "source_jobs": len(source.jobs),
             "source_stalled": int(source.stalled),
-            # Gauges of the contract's kvcr_state, not metrics of their own: an engine's
-            # metrics object may know only the contract's four names.
-            "peer_messages_dropped": sum(self.dropped.values()),
-            "peer_messages_unauthenticated": sum(self.dropped[k] for k in UNAUTHENTICATED),
+            **self.plane.counts(),
         }
 
-    def my_endpoint(self) -> str:
-        return self.endpoint or "unknown"
-
-    def send(self, endpoint: str, message: m.Message) -> None:
-        try:
-            queued = self.channel.send(endpoint, self.auth.seal(m.encode(message)))
-        except Exception as exc:
-            queued = False
-            self.log.warning("control_send_failed", to=endpoint, error=repr(exc))
-        if not queued:
-            self.log.info("control_not_queued", to=endpoint, type=message.TYPE)
-
-    def drop(self, kind: str, detail: str) -> None:
-        """Bad input from a peer: counted, one log event per kind, never a crash."""
-        self.dropped[kind] += 1
-        if self.dropped[kind] == 1:
-            self.log.warning("peer_message_dropped", kind=kind, detail=detail[:200])
-
-    def open(self, raw: bytes, malformed: str) -> m.Message | None:
-        """Authenticate (with a cluster key) and parse one message, or drop it."""
-        try:
-            sealed_by, body = self.auth.open(raw)
-        except Rejected as exc:
-            self.drop(exc.reason, str(exc))
-            return None
-        try:
-            message = m.decode(body)
-        except m.MessageError as exc:
-            self.drop(malformed, str(exc))
-            return None
-        if sealed_by is not None and message.incarnation != sealed_by:
-            self.drop("unauthenticated", f"{message.TYPE}: sealed by another incarnation")
-            return None
-        return message
-
     async def _receive_loop(self) -> None:
-        fileno = getattr(self.channel, "fileno", None)
+        channel = self.plane.channel
+        fileno = getattr(channel, "fileno", None)
         fd = fileno() if callable(fileno) else None
         while True:
             try:
-                batch = self.channel.recv()
+                batch = channel.recv()
             except Exception as exc:
                 self.log.error("control_recv_failed", error=repr(exc))
                 batch = []
@@ -227,12 +189,12 @@ class Peers:
                 if not busy:
                     busy_since = None
                     connected = self.links or self.source.agents_by_incarnation
-                    self._busy = trio.Event()
+                    busy_event = self.plane.busy = trio.Event()
                     if connected:
                         with trio.move_on_after(IDLE_PROGRESS_S):
-                            await self._busy.wait()
+                            await busy_event.wait()
                     else:
-                        await self._busy.wait()
+                        await busy_event.wait()
                 else:
                     now = trio.current_time()
                     busy_since = now if busy_since is None else busy_since
@@ -240,14 +202,10 @@ class Peers:
                         (p.due for link in self.links.values() for p in link.pulls.values()),
                         default=0.0,
                     )
-                    fast = now < max(busy_since + FAST_WINDOW_S, due)
-                    await sleep(FAST_PROGRESS_S if fast else BUSY_PROGRESS_S)
+                    await sleep(poll_interval(now, busy_since, due))
                 self._poll_notifications()
         finally:
             close()
-
-    def wake(self) -> None:
-        self._busy.set()
 
     def _poll_notifications(self) -> None:
         try:
@@ -256,16 +214,16 @@ class Peers:
             self.log.error("nixl_notifications_failed", error=repr(exc))
             return
         for sender, raw in notes:
-            message = self.open(raw, "bad_notification")
+            message = self.plane.open(raw, "bad_notification")
             if message is None:
                 continue
             if isinstance(message, m.Written):
                 self._on_written(sender, message)
             else:
-                self.drop("unexpected_notification", message.TYPE)
+                self.plane.drop("unexpected_notification", message.TYPE)
 
     def _on_raw(self, raw: bytes) -> None:
-        message = self.open(raw, "bad_message")
+        message = self.plane.open(raw, "bad_message")
         if message is None:
             return
         # Each handler takes the message type it is keyed by.
@@ -279,7 +237,7 @@ class Peers:
         }
         handler = handlers.get(type(message))
         if handler is None:
-            self.drop("unexpected_message", message.TYPE)
+            self.plane.drop("unexpected_message", message.TYPE)
             return
         try:
             handler(message)
@@ -293,10 +251,10 @@ class Peers:
         link = self.links.get(endpoint)
         if link is None:
             link = self.links[endpoint] = Link(endpoint)
-        if not link.ready.is_set() and not link.greeting and self.nursery is not None:
+        if not link.ready.is_set() and not link.greeting and self.plane.nursery is not None:
             link.greeting = True
-            self.nursery.start_soon(self._greet, link)
-            self.wake()
+            self.plane.spawn(self._greet, link)
+            self.plane.wake()
         return link
 
     async def _greet(self, link: Link) -> None:
@@ -305,15 +263,15 @@ class Peers:
         the link greets it again)."""
         started = trio.current_time()
         hello = m.Hello(
-            self.my_endpoint(),
-            self.incarnation,
+            self.plane.my_endpoint(),
+            self.plane.incarnation,
             self.transport.agent_name,
             self.transport.metadata(),
         )
         try:
             with trio.move_on_after(self.config.abandon_timeout_ms / 1000):
                 while not link.ready.is_set():
-                    self.send(link.endpoint, hello)
+                    self.plane.send(link.endpoint, hello)
                     with trio.move_on_after(self.retry_interval_s):
                         await link.ready.wait()
         finally:
@@ -331,10 +289,10 @@ class Peers:
         if (
             link is None
             or not link.greeting
-            or msg.acked != self.incarnation
+            or msg.acked != self.plane.incarnation
             or msg.incarnation in link.gone
         ):
-            self.drop("stale_hello_ack", msg.sender)
+            self.plane.drop("stale_hello_ack", msg.sender)
             return
         self._note_incarnation(link, msg.incarnation)
         link.agent = msg.agent
@@ -351,8 +309,7 @@ class Peers:
             link.gone = [*link.gone[-15:], link.incarnation]
             self.log.info("peer_restarted", endpoint=link.endpoint, pulls=len(link.pulls))
             for pull in list(link.pulls.values()):
-                pull.turned_away = True
-                self._finish_pull(pull, [], "the source restarted", over=True)
+                self._finish_pull(pull, "restarted", [], "the source restarted")
             # Set up again. An event not set yet is kept: pulls may be waiting on it, and
             # the greeting under way will set it (a fresh one would strand them).
             if link.ready.is_set():
@@ -368,7 +325,7 @@ class Peers:
     ) -> RemotePull:
         """Send one pull once the link is ready; the caller waits on ``answered``. The pull
         is registered in ``op.xfers`` until the source can no longer write."""
-        if self.endpoint is None:
+        if self.plane.endpoint is None:
             raise TransportError(
                 f"{op.kind} op {op.handle}: the control channel has no endpoint to be answered at"
             )
@@ -379,11 +336,11 @@ class Peers:
         link.pulls[pull.req] = pull
         op.xfers[pull] = frozenset(keys)
         pull.on_over.append(lambda: self.outbox.xfer_terminal(op, pull))
-        self.send(
+        self.plane.send(
             endpoint,
             m.Pull(
-                self.endpoint,
-                self.incarnation,
+                self.plane.endpoint,
+                self.plane.incarnation,
                 link.incarnation,
                 pull.req,
                 cast("list[bytes]", keys),  # keys are bytes on the wire; Pull only reads them
@@ -391,7 +348,7 @@ class Peers:
                 m.Pull.pack(dst),
             ),
         )
-        self.wake()
+        self.plane.wake()
         return pull
 
     async def _ready(self, op: Operation, endpoint: str) -> Link:
@@ -422,28 +379,30 @@ class Peers:
         self.log.debug("peer_ready", endpoint=endpoint, setup_s=trio.current_time() - setup_started)
         return link
 
-    def abandon(self, op: Operation, pull: RemotePull) -> None:
-        """The operation gave up on ``pull`` while the source may still write."""
-        if pull.over.is_set() or pull.abandoned:
+    def abandon(self, pull: RemotePull) -> None:
+        """The operation gave up on ``pull`` while the source may still write: probe it
+        (cancelling the pull if it has not started writing). Its memory stays held."""
+        if pull.state != "sent":
             return
-        pull.abandoned = True
-        assert self.endpoint is not None  # pull() sent nothing without one
-        self.send(pull.link.endpoint, m.Probe(self.endpoint, self.incarnation, pull.req, True))
-        assert self.nursery is not None
-        self.nursery.start_soon(self._watch_abandoned, op, pull)
+        pull.move("give_up")
+        self._probe(pull)
 
-    async def _watch_abandoned(self, op: Operation, pull: RemotePull) -> None:
-        with trio.move_on_at(op.abandon_at):
-            await pull.over.wait()
-            return
+    def quarantine(self, op: Operation, pull: RemotePull) -> None:
+        """``abandon_timeout_ms`` passed with no word from the source: say so, ask again."""
+        pull.move("abandon_deadline")
         self.log.warning(
             "pull_abandoned",
             op=op.handle,
             endpoint=pull.link.endpoint,
             reason="no confirmation from the source by abandon_timeout_ms; memory stays held",
         )
-        assert self.endpoint is not None  # pull() sent nothing without one
-        self.send(pull.link.endpoint, m.Probe(self.endpoint, self.incarnation, pull.req, True))
+        self._probe(pull)
+
+    def _probe(self, pull: RemotePull) -> None:
+        """Ask the source whether it is over with ``pull``, cancelling it if not started."""
+        plane = self.plane
+        assert plane.endpoint is not None  # pull() sent nothing without one
+        plane.send(pull.link.endpoint, m.Probe(plane.endpoint, plane.incarnation, pull.req, True))
 
     def _find_pull(self, endpoint: str, incarnation: int, req: int) -> RemotePull | None:
         """The pull ``req`` at ``endpoint``. Only an answer about one of our pulls in flight
@@ -462,13 +421,13 @@ class Peers:
                 pull = link.pulls.get(msg.req)
                 break
         if pull is None:
-            self.drop("unknown_written", f"{sender} req {msg.req}")
+            self.plane.drop("unknown_written", f"{sender} req {msg.req}")
             return
         if any(i >= len(pull.keys) for i in msg.indices):
-            self.drop("bad_written", f"{sender} req {msg.req}: index out of range")
+            self.plane.drop("bad_written", f"{sender} req {msg.req}: index out of range")
             pull.reason = "the source named keys it was not asked for"
             msg = m.Written(msg.incarnation, msg.req, [])
-        self._finish_pull(pull, sorted(set(msg.indices)), pull.reason or "", over=True)
+        self._finish_pull(pull, "written", sorted(set(msg.indices)), pull.reason or "")
 
     def _on_over(self, msg: m.Over) -> None:
         link = self.links.get(msg.sender)
@@ -482,30 +441,30 @@ class Peers:
             return
         pull = self._find_pull(msg.sender, msg.incarnation, msg.req)
         if pull is None:
-            self.drop("unknown_over", f"{msg.sender} req {msg.req}")
+            self.plane.drop("unknown_over", f"{msg.sender} req {msg.req}")
             return
+        event = "over"
         if msg.reason in (m.NOT_GREETED, m.OTHER_INCARNATION):
             # The process at the endpoint never took our greeting (or not this pull): greet it
             # again before anything else is sent there.
-            pull.turned_away = True
+            event = "refused_unread"
             if pull.link.ready.is_set():
                 pull.link.ready = trio.Event()
-        self._finish_pull(pull, [], msg.reason, over=True)
+        self._finish_pull(pull, event, [], msg.reason)
 
     def _on_probe_ack(self, msg: m.ProbeAck) -> None:
         pull = self._find_pull(msg.sender, msg.incarnation, msg.req)
         if pull is None:
             return  # the pull ended meanwhile: a late answer is normal
         if msg.state == "over":
-            self._finish_pull(pull, [], pull.reason or "the source dropped the pull", over=True)
+            self._finish_pull(pull, "probe_over", [], pull.reason or "the source dropped the pull")
 
-    def _finish_pull(self, pull: RemotePull, written: list[int], reason: str, over: bool) -> None:
-        if not pull.answered.is_set():
-            pull.written = written
-            pull.reason = reason
-            pull.answered.set()
-        if over and not pull.over.is_set():
-            pull.link.pulls.pop(pull.req, None)
-            pull.over.set()
-            for callback in pull.on_over:
-                callback()
+    def _finish_pull(self, pull: RemotePull, event: str, written: list[int], reason: str) -> None:
+        """The source can no longer write the pull's memory: end it (see lifecycle.PULL)."""
+        pull.move(event)
+        pull.written = written
+        pull.reason = reason
+        pull.link.pulls.pop(pull.req, None)
+        pull.done.set()
+        for callback in pull.on_over:
+            callback()

@@ -11,15 +11,15 @@ quarantined) until the source confirms it is over.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from kvcr.runtime.index import BlockIndex
-from kvcr.runtime.local import LocalG2, fill_over
-from kvcr.runtime.memory import MemoryMap
-from kvcr.runtime.ops import DROPPED, FAILED, SUCCESS, Operation, Outbox
+from kvcr.runtime.local import LocalG2
+from kvcr.runtime.ops import DROPPED, FAILED, SUCCESS, Operation
 from kvcr.runtime.peers import Peers, RemotePull
+from kvcr.runtime.residency import fill_over
 from kvcr.transport.base import TransportError
 from kvcr.types import (
     BlockKey,
@@ -29,26 +29,27 @@ from kvcr.types import (
     PlacementAction,
 )
 
+if TYPE_CHECKING:
+    from kvcr.runtime.build import Context, Shared
+
 _STORE = (PlacementAction.COPY_TO, CacheTier.LOCAL_G2)
 
 
 class Remote:
     def __init__(
         self,
-        *,
+        context: Context,
+        shared: Shared,
         peers: Peers,
         local: LocalG2 | None,
-        memory: MemoryMap,
         index: BlockIndex,
-        outbox: Outbox,
-        log: Any,
     ) -> None:
         self.peers = peers
         self.local = local
-        self.memory = memory
+        self.memory = context.memory
         self.index = index
-        self.outbox = outbox
-        self.log = log
+        self.outbox = shared.outbox
+        self.log = context.log
 
     async def _pull(
         self,
@@ -74,14 +75,14 @@ class Remote:
             if on_over is not None:
                 pull.on_over.append(on_over)
             try:
-                await pull.answered.wait()
+                await pull.done.wait()
             finally:
-                if not pull.over.is_set():
-                    self.peers.abandon(op, pull)
+                if not pull.done.is_set():
+                    self.peers.abandon(pull)
             # A pull turned away unread (by a restarted source's new incarnation, or by a
             # source that had no greeting from us) was never acted on: asking again, after
             # greeting the endpoint again, is safe (once).
-            if not (pull.turned_away and pull.over.is_set() and attempt == 1):
+            if not (pull.turned_away and attempt == 1):
                 break
             self.log.info("pull_resent", op=op.handle, endpoint=endpoint, reason=pull.reason)
         if pull.written:

@@ -1,54 +1,65 @@
 """The runtime: one trio task tree that owns all mutable state of a KVCR instance.
 
-Engine threads never touch this state. They enqueue commands into the inbox and read what
-the runtime publishes (the query view, the outbox, the set of live release handles).
+Engine threads never touch this state. They send commands (``runtime/commands.py``) and
+read what the runtime publishes (the query views, the outbox, the set of live release
+handles): ``Shared`` in ``runtime/build.py``, which also assembles the runtime.
 
 Task tree::
 
-    serve
-    ├── transfers.run              polls in-flight transfers, idle when none
-    └── ops nursery                one task per operation, each under its deadline
-        └── abandonment watchers   log transfers still running past abandon_timeout_ms
+    serve                          until Close, or until its caller cancels it
+    └── (shielded body)
+        ├── transfers.run          polls in-flight transfers, idle when none
+        ├── pins.run, peers.run    engine pins; the peer control plane (if enabled)
+        └── ops nursery            one task per operation, each under its deadline
+            └── abandonment watchers   log transfers still running past abandon_timeout_ms
 
-Shutdown cancels the operations (their pending entries fail with "closed"), then waits up to
-``abandon_timeout_ms`` for in-flight transfers to end. Only then is the transport closed
-and memory deregistered; if a transfer never ends, the transport is deliberately leaked,
-never freed under a live transfer.
+Shutdown, on Close or on cancellation alike, cancels the operations (their pending entries
+fail with "closed"), then waits up to ``abandon_timeout_ms`` for in-flight transfers to end.
+Only then is the transport closed and memory deregistered; if a transfer never ends, the
+transport is deliberately leaked, never freed under a live transfer. So the runtime can run
+as one task among others (the guard service serves a dead worker's group that way) and be
+cancelled like any task. Blocking NIXL setup and teardown run in ``trio.to_thread``.
 """
 
 from __future__ import annotations
 
-import collections
-import itertools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
-from kvcr.config import KVCRConfig
 from kvcr.g3.files import G3Files
-from kvcr.policy import KVCachePolicy
-from kvcr.runtime.engine_calls import EngineCalls
+from kvcr.runtime.audit import audit
+from kvcr.runtime.commands import (
+    Abort,
+    Align,
+    Close,
+    Command,
+    Connect,
+    Deliver,
+    Deposit,
+    Fetch,
+    Hinted,
+    OpCommand,
+    Release,
+)
 from kvcr.runtime.g3 import G3Tier
-from kvcr.runtime.inbox import Inbox
-from kvcr.runtime.index import BlockIndex, BlockState, SlotPool
+from kvcr.runtime.index import BlockIndex, SlotPool
 from kvcr.runtime.local import LocalG2
-from kvcr.runtime.memory import MemoryMap
 from kvcr.runtime.mirror import Mirror, recover
-from kvcr.runtime.ops import FAILED, Operation, Outbox
-from kvcr.runtime.peers import Peers
+from kvcr.runtime.ops import FAILED, Deadlines, Operation, record
+from kvcr.runtime.peers import Peers, RemotePull
 from kvcr.runtime.pins import Pins
 from kvcr.runtime.remote import Remote
 from kvcr.runtime.transfers import Transfers, Xfer
-from kvcr.telemetry import SCOPE_LOCAL_DELIVER, SCOPE_LOCAL_FETCH, SCOPE_LOCAL_FILL, Telemetry
 from kvcr.transport.base import Transport
 from kvcr.types import BlockKey, CacheTier, InventoryEvent
 
-SCOPES = {"deposit": SCOPE_LOCAL_FILL, "deliver": SCOPE_LOCAL_DELIVER, "fetch": SCOPE_LOCAL_FETCH}
-REMOTE_SCOPES = {"deliver": "remote_deliver", "fetch": "remote_fetch"}
+if TYPE_CHECKING:
+    from kvcr.runtime.build import Context, Journal, Shared
 
 
-async def _run(coroutine: Any) -> None:
+async def _await(coroutine: Any) -> None:
     await coroutine
 
 
@@ -58,56 +69,34 @@ _LEAKED: list[object] = []
 
 
 class Runtime:
+    """Built by :func:`kvcr.runtime.build.build`; runs as ``serve``."""
+
     def __init__(
         self,
-        *,
-        config: KVCRConfig,
-        memory: MemoryMap,
-        has_pools: bool,
-        policy: KVCachePolicy,
-        source_tier: CacheTier,
-        callbacks: EngineCalls,
-        engine_answers: Inbox,
+        context: Context,
+        shared: Shared,
         transport_factory: Callable[[], Transport],
-        telemetry: Telemetry,
-        open_ops: dict[int, set[BlockKey]],
-        live_handles: set[int],
-        release_ids: itertools.count,
-        bindings: Any,
-        remote_options: Any,
-        op_ids: Callable[[], int],
-        log: Any,
-        journal: memoryview | None = None,
-        group: int | None = None,
-        g3_options: Any = None,
-        cluster_key: bytes | None = None,
+        journal: Journal | None,
+        *,
+        has_pools: bool,
     ) -> None:
-        self.bindings = bindings
-        self.cluster_key = cluster_key
-        self.g3_options = g3_options
+        self.context = context
+        self.shared = shared
+        self.config = context.config
+        self.memory = context.memory
+        self.log = context.log
+        self.telemetry = shared.telemetry
+        self.outbox = shared.outbox
+        self.has_pools = has_pools
         self.g3: G3Tier | None = None
         self.g3_view: dict[BlockKey, Any] = {}  # published for query, like index.view
         self.journal = journal  # the guard group's recovery journal, owned from here on
-        self.group = group
         self.mirror: Mirror | None = None
-        self.remote_options = remote_options
-        self.op_ids = op_ids
-        self.config = config
-        self.memory = memory
-        self.has_pools = has_pools
-        self.policy = policy
-        self.source_tier = source_tier
-        self.callbacks = callbacks  # what the runtime asks of the engine, in order
-        self.engine_answers = engine_answers  # and what the engine answered
-        self.telemetry = telemetry
-        self.log = log
-        self.inbox = Inbox()
-        self.outbox = Outbox(open_ops, callbacks)
-        self.live_handles = live_handles
-        self.release_ids = release_ids
         pools = [
             SlotPool(name, block, slots)
-            for name, block, slots in zip(memory.pool_names, memory.block_sizes, memory.pool_slots)
+            for name, block, slots in zip(
+                self.memory.pool_names, self.memory.block_sizes, self.memory.pool_slots
+            )
         ]
         self.index = BlockIndex(pools)
         self._transport_factory = transport_factory
@@ -118,42 +107,62 @@ class Runtime:
         self.remote: Remote | None = None
         self.ops: dict[int, Operation] = {}
         self._ops_nursery: trio.Nursery | None = None
+        self._root: trio.Nursery | None = None  # lives until the runtime quiesced
         self.closed = trio.Event()
         self.leaked = False  # set at close if memory stayed registered under a live transfer
 
     # -- lifecycle -----------------------------------------------------------------------
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Run until a ``Close`` command or until the caller cancels; either way stop in
+        order (see the module docstring): cancelling the caller cuts no transfer off."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._close_when_cancelled)
+            # Shielded: the caller's cancellation arrives as a Close command (above), so
+            # that shutdown waits for in-flight transfers instead of abandoning them. Every
+            # wait of the shutdown is bounded on its own.
+            with trio.CancelScope(shield=True):
+                await self._run_shielded(task_status)
+            nursery.cancel_scope.cancel()
+
+    async def _close_when_cancelled(self) -> None:
+        try:
+            await trio.sleep_forever()
+        finally:
+            if not self.closed.is_set():
+                self.shared.commands.put(Close())
+
+    async def _blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run NIXL's (or a file's) blocking set-up or teardown: off the loop when the loop
+        is shared (the guard service's), else right here on the runtime's own thread, so
+        that one thread creates, uses and closes the agent (UCX workers are single-thread
+        by default)."""
+        if self.context.offload_blocking:
+            return await trio.to_thread.run_sync(fn, *args)
+        return fn(*args)
+
+    async def _run_shielded(self, task_status: Any) -> None:
         transport: Transport | None = None
         leaked = False
         try:
-            transport = self.transport = self._transport_factory()
-            transport.open_local(self.memory.segments)
+            # Creating the agent and registering the pools block for up to seconds on big
+            # pools.
+            transport = self.transport = await self._blocking(self._transport_factory)
+            await self._blocking(transport.open_local, self.memory.segments)
             fine = bool(getattr(transport, "fine_timing", False))
             self.transfers = Transfers(transport, self.log, fine)
             if self.has_pools:
-                self.local = LocalG2(
-                    memory=self.memory,
-                    index=self.index,
-                    transfers=self.transfers,
-                    outbox=self.outbox,
-                    policy=self.policy,
-                    watermark_percent=self.config.capacity_low_watermark_percent,
-                    live_handles=self.live_handles,
-                    release_ids=self.release_ids,
-                    source_tier=self.source_tier,
-                    callbacks=self.callbacks,
-                    log=self.log,
-                )
+                self.local = LocalG2(self.context, self.shared, self.index, self.transfers)
                 if self.journal is not None:
-                    self._start_warm(self.local, self.journal)
+                    await self._start_warm(self.local, self.journal)
             async with trio.open_nursery() as root:
+                self._root = root
                 root.start_soon(self.transfers.run)
-                if self.g3_options is not None and self.local is not None:
-                    self._start_g3(root, self.local, fine)
-                pins = Pins(self.callbacks, self.engine_answers, self.log)
+                if self.context.g3 is not None and self.local is not None:
+                    await self._start_g3(root, self.local, fine)
+                pins = Pins(self.shared.calls, self.shared.answers, self.log)
                 root.start_soon(pins.run)
-                if self.bindings.framework_control is not None:
+                if self.context.control is not None:
                     await self._start_peers(root, transport, pins)
                 async with trio.open_nursery() as ops:
                     self._ops_nursery = ops
@@ -168,12 +177,21 @@ class Runtime:
                 await pins.drain(self.config.operation_timeout_ms / 1000)
                 root.cancel_scope.cancel()
         finally:
+            try:
+                await self._release(transport, leaked)
+            finally:
+                self.closed.set()
+
+    async def _release(self, transport: Transport | None, leaked: bool) -> None:
+        """Give back what the runtime holds, unless a transfer might still touch it."""
+        try:
             if self.g3 is not None:
                 self._close_g3(leaked)
             if self.mirror is not None:
-                self.mirror.close()
+                await self._blocking(self.mirror.close)  # the journal's last flush
             elif self.journal is not None:
-                self.journal.release()
+                self.journal.buffer.release()
+        finally:
             self.leaked = leaked
             if leaked:
                 _LEAKED.append(transport)
@@ -182,25 +200,37 @@ class Runtime:
                     reason="transfers still in flight at close; memory stays registered",
                 )
             elif transport is not None:
-                transport.close()
-            self.closed.set()
+                try:
+                    await self._blocking(transport.close)  # deregistration
+                except BaseException:
+                    # Half closed: its registrations may live on. Keep the memory.
+                    self.leaked = True
+                    _LEAKED.append(transport)
+                    raise
 
-    def _start_g3(self, root: trio.Nursery, local: LocalG2, fine: bool) -> None:
-        """Open the G3 files and their NIXL agent, and let the pool spill to them."""
+    async def _start_g3(self, root: trio.Nursery, local: LocalG2, fine: bool) -> None:
+        """Open the G3 files and their NIXL agent (off the loop: file setup and
+        registration block), and let the pool spill to them."""
         from kvcr.transport.nixl_files import NixlFileTransport  # the only nixl import here
 
-        opts = self.g3_options
-        files = G3Files(opts.paths, opts.capacity_bytes_per_file, self.memory.block_sizes[0])
-        try:
-            transport = NixlFileTransport(
-                f"{self.config.nixl_agent_name}-g3", opts.backend, dict(opts.backend_options)
-            )
-            transport.open(
-                self.memory.segments, [(f.fd, f.size) for f in files.files], files.slot_rows()
-            )
-        except BaseException:
-            files.close()
-            raise
+        opts = self.context.g3
+        assert opts is not None
+
+        def open_files() -> tuple[G3Files, NixlFileTransport]:
+            files = G3Files(opts.paths, opts.capacity_bytes_per_file, self.memory.block_sizes[0])
+            try:
+                transport = NixlFileTransport(
+                    f"{self.config.nixl_agent_name}-g3", opts.backend, dict(opts.backend_options)
+                )
+                transport.open(
+                    self.memory.segments, [(f.fd, f.size) for f in files.files], files.slot_rows()
+                )
+            except BaseException:
+                files.close()
+                raise
+            return files, transport
+
+        files, transport = await self._blocking(open_files)
         transfers = Transfers(transport, self.log, fine)
         root.start_soon(transfers.run)
         self.g3 = G3Tier(
@@ -218,7 +248,7 @@ class Runtime:
         if self.mirror is not None:
             restored = self.g3.restore(dict(self.mirror.g3_records))
             if restored:
-                self.callbacks.inventory(InventoryEvent(tuple(restored), CacheTier.G3, False))
+                self.shared.calls.inventory(InventoryEvent(tuple(restored), CacheTier.G3, False))
 
     def _g3_gauges(self) -> dict[str, float]:
         assert self.g3 is not None
@@ -237,47 +267,28 @@ class Runtime:
         self.g3.transport.close()
         self.g3.files.close()
 
-    def _start_warm(self, local: LocalG2, buf: memoryview) -> None:
-        """Recover the blocks the group's journal holds, then mirror changes into it."""
-        blocks, kept = recover(self.index, buf, self.log)
+    async def _start_warm(self, local: LocalG2, journal: Journal) -> None:
+        """Recover the blocks the group's journal holds, then mirror changes into it. The
+        replay (up to the journal's 100 MiB) runs off a shared loop; nothing else touches
+        this runtime's index yet."""
+        blocks, kept = await self._blocking(recover, self.index, journal.buffer, self.log)
         for block in blocks:
             self.index.rescore(block, local.score(block))
-        self.mirror = Mirror(buf, self.index, kept, self.group, self.log)
+        self.mirror = Mirror(journal.buffer, self.index, kept, journal.group, self.log)
         self.index.journal = self.mirror
         if blocks:
             keys = tuple(block.key for block in blocks)
-            self.callbacks.inventory(InventoryEvent(keys, CacheTier.LOCAL_G2, False))
+            self.shared.calls.inventory(InventoryEvent(keys, CacheTier.LOCAL_G2, False))
 
     async def _start_peers(self, nursery: trio.Nursery, transport: Transport, pins: Pins) -> None:
-        channel = self.bindings.framework_control
-        initialize = getattr(channel, "initialize", None)
+        initialize = getattr(self.context.control, "initialize", None)
         if callable(initialize):
             initialize()  # idempotent on ZmqPeerControlChannel; binds if the adapter did not
         assert self.transfers is not None
         self.peers = Peers(
-            channel=channel,
-            transport=transport,
-            transfers=self.transfers,
-            memory=self.memory,
-            index=self.index,
-            local=self.local,
-            pins=pins,
-            outbox=self.outbox,
-            config=self.config,
-            retry_interval_s=self.remote_options.metadata_retry_interval_ms / 1000,
-            telemetry=self.telemetry,
-            op_ids=self.op_ids,
-            log=self.log,
-            cluster_key=self.cluster_key,
+            self.context, self.shared, transport, self.transfers, self.index, self.local, pins
         )
-        self.remote = Remote(
-            peers=self.peers,
-            local=self.local,
-            memory=self.memory,
-            index=self.index,
-            outbox=self.outbox,
-            log=self.log,
-        )
+        self.remote = Remote(self.context, self.shared, self.peers, self.local, self.index)
         await nursery.start(self.peers.run)
 
     async def _quiesce(self) -> bool:
@@ -296,74 +307,62 @@ class Runtime:
 
     async def _pump(self) -> None:
         while True:
-            for command in await self.inbox.get_batch():
-                if command[0] == "close":
+            for command in await self.shared.commands.get_batch():
+                if isinstance(command, Close):
                     return
                 try:
                     self._dispatch(command)
                 except Exception as exc:  # a bug must not take the whole instance down
-                    self.log.exception("command_failed", command=command[0], error=repr(exc))
+                    self.log.exception(
+                        "command_failed", command=type(command).__name__, error=repr(exc)
+                    )
 
     # -- commands ------------------------------------------------------------------------
 
-    def _dispatch(self, command: tuple) -> None:
-        name = command[0]
-        if name in ("deposit", "deliver", "fetch"):
-            self._start_op(name, *command[1:])
-        elif name == "release":
+    def _dispatch(self, command: Command) -> None:
+        if isinstance(command, (Deposit, Deliver, Fetch)):
+            self._start_op(command)
+        elif isinstance(command, Release):
             if self.local is not None:
-                for handle in command[1]:
+                for handle in command.handles:
                     self.local.release(handle)
-        elif name == "abort":
-            self._abort(command[1], command[2])
-        elif name == "connect":
+        elif isinstance(command, Abort):
+            self._abort(command.handle, command.keys)
+        elif isinstance(command, Connect):
             if self.peers is not None:
-                self.peers.link(command[1])
-        elif name == "align":
+                self.peers.link(command.endpoint)
+        elif isinstance(command, Align):
             if self.local is not None:
-                self.local.align(command[1], command[2], trio.current_time())
+                self.local.align(command.keys, command.use_current_time, trio.current_time())
         else:
-            raise ValueError(f"runtime: unknown command {name!r}")
+            raise ValueError(f"runtime: unknown command {command!r}")
 
-    def _start_op(self, kind: str, handle: int, keys: list[BlockKey], *args: Any) -> None:
+    def _start_op(self, command: OpCommand) -> None:
         now = trio.current_time()
+        handle, keys = command.handle, command.keys
         pending = self.outbox.pending_set(handle)
         if not keys:
             self.outbox.answer_empty(handle)
             return
-        op = Operation(
-            handle=handle,
-            kind=kind,
-            keys=keys,
-            pending=pending,
-            started=now,
-            deadline=now + self.config.operation_timeout_ms / 1000,
-            abandon_at=now + self.config.abandon_timeout_ms / 1000,
-        )
-        if kind == "deposit":
-            sources, no_evict, hints = args
+        kind = type(command).__name__.lower()
+        op = Operation(handle, kind, keys, pending, Deadlines.starting(now, self.config))
+        body: Any
+        if isinstance(command, Deposit):
             op.framework_sources = tuple(keys)
             if self.local is None:
                 self.outbox.fail_pending(op, "deposit: this instance has no local DRAM pools")
                 return
-            body = self.local.deposit(op, sources, no_evict, hints)
+            body = self.local.deposit(op, command.sources, command.no_evict, command.hints)
+        elif isinstance(command, Deliver):
+            op.framework_destinations = command.refs
+            body = self._read(op, command.destinations, command.remote)
         else:
-            if kind == "deliver":
-                destinations, refs, remote = args
-                op.framework_destinations = refs
-            else:
-                destinations, remote = None, args[0]
-            body = self._read(op, destinations, remote)
+            body = self._read(op, None, command.remote)
         assert self._ops_nursery is not None
         self.ops[handle] = op
         self._ops_nursery.start_soon(self._run_op, op, body)
 
-    async def _read(
-        self,
-        op: Operation,
-        destinations: Any,
-        remote: tuple[str, object, frozenset[BlockKey]] | None,
-    ) -> None:
+    async def _read(self, op: Operation, destinations: Any, remote: Hinted | None) -> None:
         """deliver or fetch: keys in local G2 locally, keys the request's hint covers from
         the hinted peer, both at once; other keys fail."""
         resident = [k for k in op.keys if self.index.get(k) is not None]
@@ -374,10 +373,10 @@ class Runtime:
         remote_keys: list[BlockKey] = []
         if remote is not None and self.remote is not None:
             held = set(resident).union(g3_keys)
-            remote_keys = [k for k in op.keys if k not in held and k in remote[2]]
+            remote_keys = [k for k in op.keys if k not in held and k in remote.keys]
         op.remote_keys = frozenset(remote_keys)
         if remote_keys and remote is not None:
-            op.hint_request = remote[1]
+            op.hint_request = remote.request
         missing = set(op.keys).difference(resident, remote_keys, g3_keys)
         if missing:
             op.failure = f"{op.kind}: {len(missing)} keys are neither local nor covered by a hint"
@@ -401,15 +400,15 @@ class Runtime:
         if remote_keys:
             assert self.remote is not None and remote is not None
             if op.kind == "deliver":
-                parts.append(self.remote.deliver(op, destinations, remote_keys, remote[0]))
+                parts.append(self.remote.deliver(op, destinations, remote_keys, remote.endpoint))
             else:
-                parts.append(self.remote.fetch(op, remote_keys, remote[0]))
+                parts.append(self.remote.fetch(op, remote_keys, remote.endpoint))
         if len(parts) == 1:
             await parts[0]  # the common case: no task hop
         elif parts:
             async with trio.open_nursery() as nursery:
                 for part in parts:
-                    nursery.start_soon(_run, part)
+                    nursery.start_soon(_await, part)
 
     async def _run_op(self, op: Operation, body: Any) -> None:
         timed_out = False
@@ -428,55 +427,32 @@ class Runtime:
             if op.remote_failed and op.remote_keys:
                 self.outbox.failed_hints.append(op.hint_request)
             self.ops.pop(op.handle, None)
-            self._record(op)
-            if (
-                any(isinstance(x, Xfer) for x in op.xfers)
-                and self._ops_nursery is not None
-                and not self.closed.is_set()
-            ):
-                self._ops_nursery.start_soon(self._watch_abandoned, op)
-
-    def _record(self, op: Operation) -> None:
-        seconds = trio.current_time() - op.started
-        pools, per_key = len(self.memory.block_sizes), self.memory.bytes_per_key
-        local_keys = len(op.keys) - len(op.remote_keys)
-        if local_keys or not op.remote_keys:
-            ok = len(op.ok_keys - op.remote_keys)
-            self.telemetry.operation(
-                SCOPES[op.kind], seconds, ok, local_keys, op.moved * pools, op.moved * per_key
-            )
-        if op.remote_keys:
-            ok = len(op.ok_keys & op.remote_keys)
-            moved = op.moved_remote
-            self.telemetry.operation(
-                REMOTE_SCOPES[op.kind],
-                seconds,
-                ok,
-                len(op.remote_keys),
-                moved * pools,
-                moved * per_key,
-            )
-        if op.failure and len(op.ok_keys) < len(op.keys):
-            self.log.info(
-                "op_failed",
-                op=op.handle,
-                kind=op.kind,
-                failed=len(op.keys) - len(op.ok_keys),
-                reason=op.failure,
-            )
+            record(op, self.telemetry, self.memory, self.log)
+            # In the root nursery: it must keep watching (and probing peers) while the
+            # runtime stops, which cancels the operations first.
+            if op.xfers and self._root is not None and not self.closed.is_set():
+                self._root.start_soon(self._watch_abandoned, op)
 
     async def _watch_abandoned(self, op: Operation) -> None:
+        """What the failed operation left in flight (local transfers, pulls a peer may still
+        write) must end by ``abandon_timeout_ms``; what has not is reported then, and its
+        memory stays held until it ends."""
         with trio.move_on_at(op.abandon_at):
-            while xfers := [x for x in op.xfers if isinstance(x, Xfer)]:
-                await xfers[0].done.wait()
+            while op.xfers:  # each one leaves op.xfers when it ends
+                await next(iter(op.xfers)).done.wait()
             return
-        self.log.warning(
-            "transfer_abandoned",
-            op=op.handle,
-            kind=op.kind,
-            transfers=len(op.xfers),
-            reason="still in flight past abandon_timeout_ms; its memory stays held",
-        )
+        local = [x for x in op.xfers if isinstance(x, Xfer)]
+        if local:
+            self.log.warning(
+                "transfer_abandoned",
+                op=op.handle,
+                kind=op.kind,
+                transfers=len(local),
+                reason="still in flight past abandon_timeout_ms; its memory stays held",
+            )
+        for pull in [x for x in op.xfers if isinstance(x, RemotePull)]:
+            assert self.peers is not None
+            self.peers.quarantine(op, pull)
 
     def _abort(self, handle: int, keys: list[BlockKey] | None) -> None:
         op = self.ops.get(handle)
@@ -492,44 +468,9 @@ class Runtime:
         if not op.pending:
             op.scope.cancel()
 
-    # -- accounting (tests) --------------------------------------------------------------
-
     def audit(self) -> list[str]:
-        """Memory held that nobody owns, once the runtime is quiet (no transfer, pull or
-        source write in flight): slots outside the index, claims without a release handle,
-        pins not handed back. Internal: for tests and debugging; empty means clean."""
-        slots = self.index.audit()
-        problems = [
-            f"{slots[what]} {meaning}"
-            for what, meaning in (
-                ("double", "slots handed out twice"),
-                ("quarantined", "slots held with no record"),
-                ("view_mismatch", "keys whose query answer disagrees with their record"),
-            )
-            if slots[what]
-        ]
-        if self.transfers is not None and self.transfers.in_flight:
-            problems.append(f"{self.transfers.in_flight} transfers in flight")
-        holders = collections.Counter(self.local.handles.values()) if self.local else {}
-        for key, block in self.index.blocks.items():
-            if block.claims != holders.get(key, 0):
-                problems.append(
-                    f"key {key!r}: {block.claims} claims, {holders.get(key, 0)} release handles"
-                )
-            if block.state is not BlockState.READY:
-                problems.append(f"key {key!r}: still filling")
-        if self.local is not None and set(self.local.handles) != self.live_handles:
-            problems.append("release handles: the runtime's and the facade's differ")
-        if self.ops:
-            problems.append(f"{len(self.ops)} operations still open")
-        if self.peers is not None:
-            if self.peers.pulls_in_flight():
-                problems.append(f"{self.peers.pulls_in_flight()} pulls in flight")
-            if self.peers.source.jobs:
-                problems.append(f"{len(self.peers.source.jobs)} source jobs open")
-            if self.peers.pins.outstanding:
-                problems.append(f"{self.peers.pins.outstanding} engine pins outstanding")
-        return problems
+        """Memory held that nobody owns, once quiet (see ``runtime/audit.py``)."""
+        return audit(self)
 
     # -- published state -----------------------------------------------------------------
 
@@ -541,7 +482,7 @@ class Runtime:
             "local_g2_blocks": len(self.index),
             "ops_in_flight": len(self.ops),
             "transfers_in_flight": self.transfers.in_flight if self.transfers else 0,
-            "release_handles": len(self.live_handles),
+            "release_handles": len(self.shared.live_handles),
             **({"journal_fill_percent": self.mirror.fill_percent} if self.mirror else {}),
             **(self._g3_gauges() if self.g3 is not None else {}),
             **(self.peers.gauges() if self.peers is not None else {}),

@@ -11,12 +11,13 @@ declared over in a probe answer, so a duplicate, or a pull that arrives after th
 destination sent when it gave up on it, is dropped instead of writing into memory the
 destination may already have handed back.
 
-Deadlines, measured from the pull's arrival: a pull still waiting for pins at
-``operation_timeout_ms`` is dropped (``Over``); a write still running then stalls this
-source, which refuses new pulls until it ends; a write still running at
-``abandon_timeout_ms`` makes the pinned engine memory ``uncertain`` (``TransferError``),
-and ``quiesced`` follows when the write is terminal. A destination's ``Probe`` with
-``cancel`` drops a pull that has not started writing.
+Deadlines (``ops.Deadlines``; the states are ``lifecycle.JOB``): a pull still waiting for
+pins ``operation_timeout_ms`` after its arrival is dropped (``Over``). A write is timed
+from its posting: still running ``operation_timeout_ms`` later, it stalls this source,
+which refuses new pulls until it ends; still running at ``abandon_timeout_ms``, it is
+cancelled, or if NIXL cannot, the pinned engine memory is ``uncertain``
+(``TransferError``) and ``quiesced`` follows when the write is terminal. A destination's
+``Probe`` with ``cancel`` drops a pull that has not started writing.
 """
 
 from __future__ import annotations
@@ -28,15 +29,21 @@ from typing import TYPE_CHECKING, cast
 import attrs
 import trio
 
-from kvcr.runtime.index import Block, BlockState
-from kvcr.runtime.pins import Pin
+from kvcr.runtime.index import Block, BlockIndex, BlockState
+from kvcr.runtime.lifecycle import JOB, WRITING, wire_state
+from kvcr.runtime.ops import Deadlines
+from kvcr.runtime.pins import Pin, Pins
 from kvcr.runtime.transfers import Xfer
 from kvcr.transport import messages as m
 from kvcr.transport.base import TransportError
 from kvcr.types import BlockKey, TransferError
 
 if TYPE_CHECKING:
-    from kvcr.runtime.peers import Peers
+    from kvcr.runtime.build import Context, Shared
+    from kvcr.runtime.local import LocalG2
+    from kvcr.runtime.plane import Plane
+    from kvcr.runtime.transfers import Transfers
+    from kvcr.transport.base import Transport
 
 
 SEEN_PULLS = 4096  # requests remembered per destination incarnation
@@ -88,13 +95,15 @@ class SeenPulls:
 class SourceJob:
     msg: m.Pull
     agent: str
-    state: str = "pending"  # pending -> writing -> over
+    clock: Deadlines  # from the pull's arrival: bounds the wait for pins
+    state: str = "pending"  # see lifecycle.JOB; moved only by move()
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     claims: list[Block] = attrs.field(factory=list)
     pins: list[Pin] = attrs.field(factory=list)
     xfer: Xfer | None = None
-    started: float = 0.0
-    posted_at: float = 0.0
+    # From the write's posting: a write is an operation of its own, and pins that came late
+    # must not make a healthy write look stalled.
+    write_clock: Deadlines | None = None
     pinned_keys: list[BlockKey] = attrs.field(factory=list)  # written from engine memory
 
     @property
@@ -102,27 +111,39 @@ class SourceJob:
         """The pull's keys: raw bytes on the wire, the block keys they name from here on."""
         return cast("list[BlockKey]", self.msg.keys)
 
+    def move(self, event: str) -> str:
+        self.state = JOB.move(self.state, event, f"req {self.msg.req} to {self.agent}")
+        return self.state
+
 
 class Source:
-    def __init__(self, net: Peers) -> None:
-        """The source side shares the control plane's transport, memory and bookkeeping."""
-        self.net = net
-        self.transport = net.transport
-        self.transfers = net.transfers
-        self.memory = net.memory
-        self.index = net.index
-        self.local = net.local
-        self.pins = net.pins
-        self.outbox = net.outbox
-        self.config = net.config
-        self.telemetry = net.telemetry
-        self.op_ids = net.op_ids
-        self.log = net.log
+    def __init__(
+        self,
+        context: Context,
+        shared: Shared,
+        plane: Plane,
+        transfers: Transfers[Transport],
+        index: BlockIndex,
+        local: LocalG2 | None,
+        pins: Pins,
+    ) -> None:
+        self.plane = plane
+        self.transport = plane.transport
+        self.transfers = transfers
+        self.memory = context.memory
+        self.index = index
+        self.local = local
+        self.pins = pins
+        self.outbox = shared.outbox
+        self.config = context.config
+        self.telemetry = shared.telemetry
+        self.op_ids = context.op_ids
+        self.log = context.log
         self.agents_by_incarnation: dict[int, str] = {}  # destinations we have metadata of
         self.jobs: dict[tuple[int, int], SourceJob] = {}  # (dst incarnation, req) -> job
         self.seen = SeenPulls()
-        self.stalled = False
         self.closing = False
+        self._settled = trio.Event()  # set whenever a job leaves "pending"
 
     async def stop(self) -> None:
         """At close: refuse new pulls and drop those that have not started writing, and wait
@@ -131,12 +152,24 @@ class Source:
         for job in list(self.jobs.values()):
             if job.state == "pending":
                 job.scope.cancel()
-        while any(job.state == "pending" for job in self.jobs.values()):
-            await trio.sleep(0)
+        # A cancelled pin wait ends at its next checkpoint: this is bounded only for safety.
+        with trio.move_on_after(self.config.operation_timeout_ms / 1000):
+            while any(job.state == "pending" for job in self.jobs.values()):
+                self._settled = trio.Event()
+                await self._settled.wait()
+            return
+        self.log.error("source_stop_late", reason="pulls still preparing past the timeout")
 
     @property
     def writing(self) -> bool:
-        return any(job.state == "writing" for job in self.jobs.values())
+        return any(job.state in WRITING for job in list(self.jobs.values()))
+
+    @property
+    def stalled(self) -> bool:
+        """A write ran past its operation timeout: this source refuses new pulls until the
+        late writes end."""
+        # list() copies in one step: get_stats reads this from an engine thread.
+        return any(job.state in ("stalled", "uncertain") for job in list(self.jobs.values()))
 
     def on_hello(self, msg: m.Hello) -> None:
         new = msg.incarnation not in self.agents_by_incarnation
@@ -144,7 +177,7 @@ class Source:
         try:
             agent = self.transport.add_peer(msg.metadata)  # and connects to it (NIXL)
         except Exception as exc:
-            self.net.drop("bad_metadata", f"{msg.sender}: {exc}")
+            self.plane.drop("bad_metadata", f"{msg.sender}: {exc}")
             return
         if new:  # how long a first contact took: on a cold machine, the evidence
             self.log.info(
@@ -158,27 +191,27 @@ class Source:
                 del self.agents_by_incarnation[incarnation]  # that process is gone
                 self.seen.forget(incarnation)
         self.agents_by_incarnation[msg.incarnation] = agent
-        self.net.send(
+        self.plane.send(
             msg.sender,
             m.HelloAck(
-                self.net.my_endpoint(),
-                self.net.incarnation,
+                self.plane.my_endpoint(),
+                self.plane.incarnation,
                 msg.incarnation,
                 self.transport.agent_name,
             ),
         )
-        self.net.wake()
+        self.plane.wake()
 
     def on_pull(self, msg: m.Pull) -> None:
         key = (msg.incarnation, msg.req)
         if not self.seen.add(msg.incarnation, msg.req):
             # Served, refused, or declared over already: the destination may be reusing the
             # memory by now. No answer: it has one, or its probe gets "over".
-            self.net.drop("duplicate_pull", f"{msg.sender} req {msg.req}")
+            self.plane.drop("duplicate_pull", f"{msg.sender} req {msg.req}")
             return
         reason = None
         agent = self.agents_by_incarnation.get(msg.incarnation)
-        if msg.target != self.net.incarnation:
+        if msg.target != self.plane.incarnation:
             reason = m.OTHER_INCARNATION
         elif agent is None:
             reason = m.NOT_GREETED
@@ -197,15 +230,15 @@ class Source:
             self.log.info(
                 "pull_refused", endpoint=msg.sender, req=msg.req, keys=len(msg.keys), reason=reason
             )
-            self.net.send(
-                msg.sender, m.Over(self.net.my_endpoint(), self.net.incarnation, msg.req, reason)
+            self.plane.send(
+                msg.sender,
+                m.Over(self.plane.my_endpoint(), self.plane.incarnation, msg.req, reason),
             )
             return
         assert agent is not None  # no agent is a reason to refuse
-        job = SourceJob(msg, agent)
+        job = SourceJob(msg, agent, clock=Deadlines.starting(trio.current_time(), self.config))
         self.jobs[key] = job
-        job.started = trio.current_time()
-        job.scope.deadline = job.started + self.config.operation_timeout_ms / 1000
+        job.scope.deadline = job.clock.deadline
         try:
             wanted = self._claim_local(job)
         except Exception as exc:  # a bug must not leak claims
@@ -217,12 +250,11 @@ class Source:
             # (the guard serving a dead worker's pools): write now, without a task hop.
             self._post(job, wanted)
             return
-        assert self.net.nursery is not None
-        self.net.nursery.start_soon(self._serve, job, wanted)
+        self.plane.spawn(self._serve, job, wanted)
 
     def on_probe(self, msg: m.Probe) -> None:
         job = self.jobs.get((msg.incarnation, msg.req))
-        state = job.state if job is not None else "over"
+        state = wire_state(job.state) if job is not None else "over"
         if job is None:
             # "over" is a promise that this pull never writes: if the Pull itself is still
             # on its way (delayed, reordered behind this probe), it must be refused.
@@ -230,8 +262,8 @@ class Source:
         if job is not None and state == "pending" and msg.cancel:
             job.scope.cancel()
             state = "over"
-        self.net.send(
-            msg.sender, m.ProbeAck(self.net.my_endpoint(), self.net.incarnation, msg.req, state)
+        self.plane.send(
+            msg.sender, m.ProbeAck(self.plane.my_endpoint(), self.plane.incarnation, msg.req, state)
         )
 
     async def _serve(self, job: SourceJob, wanted: dict[int, list[int]]) -> None:
@@ -277,7 +309,7 @@ class Source:
             # Every key is here and every range fits (the usual case): no per-key checks.
             src = [d for i in range(count) for d in wanted[i]]
             dst = list(zip(flat[0::2], flat[1::2]))
-            self._write(job, src, dst, list(range(count)), job.started)
+            self._write(job, src, dst, list(range(count)))
             return
         src = []
         dst = []
@@ -285,7 +317,7 @@ class Source:
         for i in sorted(wanted):
             entry = flat[2 * pools * i : 2 * pools * (i + 1)]
             if list(entry[1::2]) != sizes:
-                self.net.drop("bad_destination", f"req {msg.req}: sizes do not match key {i}")
+                self.plane.drop("bad_destination", f"req {msg.req}: sizes do not match key {i}")
                 continue
             indices.append(i)
             src.extend(wanted[i])
@@ -293,7 +325,7 @@ class Source:
         if not indices:
             self._end_job(job, "none of the keys is here")
             return
-        self._write(job, src, dst, indices, job.started)
+        self._write(job, src, dst, indices)
 
     def _claim_local(self, job: SourceJob) -> dict[int, list[int]]:
         wanted: dict[int, list[int]] = {}
@@ -315,7 +347,7 @@ class Source:
         try:
             return list(self.memory.resolve_key("pin result", 0, b"", refs))
         except ValueError as exc:
-            self.net.drop("bad_pin_refs", str(exc))
+            self.plane.drop("bad_pin_refs", str(exc))
             return None
 
     def _write(
@@ -324,19 +356,19 @@ class Source:
         src: list[int],
         dst: list[tuple[int, int]],
         indices: list[int],
-        started: float,
     ) -> None:
         msg = job.msg
         what = f"source write req {msg.req} to {job.agent}"
-        notif = self.net.auth.seal(m.encode(m.Written(self.net.incarnation, msg.req, indices)))
+        notif = self.plane.auth.seal(m.encode(m.Written(self.plane.incarnation, msg.req, indices)))
         nbytes = sum(n for _, n in dst)
 
         def terminal(xfer: Xfer) -> None:
             now = trio.current_time()
             result = "success" if xfer.ok else "failed"
-            self.telemetry.record("transfer", now - job.posted_at, result)
+            assert job.write_clock is not None
+            self.telemetry.record("transfer", now - job.write_clock.start, result)
             moved = (len(dst), nbytes) if xfer.ok else (0, 0)
-            self.telemetry.record("source_write", now - started, result, *moved)
+            self.telemetry.record("source_write", now - job.clock.start, result, *moved)
             if xfer.ok:
                 self._end_job(job, None)
             else:
@@ -347,13 +379,13 @@ class Source:
         except TransportError as exc:
             self._write_failed(job, len(indices), f"the write could not be posted: {exc}")
             return
-        job.state = "writing"
-        job.posted_at = trio.current_time()
+        job.move("post")
+        self._settled.set()
+        job.write_clock = Deadlines.starting(trio.current_time(), self.config)
         job.xfer = self.transfers.track(handle, what, nbytes, terminal)
-        if job.state == "writing":
-            assert self.net.nursery is not None
-            self.net.nursery.start_soon(self._watch_write, job)
-        self.net.wake()
+        if job.state in WRITING:  # (track ends a transfer that is already over at once)
+            self.plane.spawn(self._watch_write, job)
+        self.plane.wake()
 
     def _write_failed(self, job: SourceJob, keys: int, reason: str) -> None:
         """Say why in the log and to the destination (its op_failed names the reason)."""
@@ -371,20 +403,23 @@ class Source:
         """A write running past the operation timeout stalls this source; one still running
         at the abandon timeout is cancelled (a hung destination never ends it); if it cannot
         be cancelled, the engine's pinned memory is reported uncertain until it ends."""
-        xfer = job.xfer
-        assert xfer is not None
-        with trio.move_on_at(job.posted_at + self.config.operation_timeout_ms / 1000):
+        xfer, clock = job.xfer, job.write_clock
+        assert xfer is not None and clock is not None
+        with trio.move_on_at(clock.deadline):
             await xfer.done.wait()
+        if xfer.done.is_set():
             return
         if not self.stalled:
-            self.stalled = True
             self.log.warning("source_stalled", agent=job.agent, req=job.msg.req)
-        with trio.move_on_at(job.posted_at + self.config.abandon_timeout_ms / 1000):
+        job.move("late")
+        with trio.move_on_at(clock.abandon_at):
             await xfer.done.wait()
+        if xfer.done.is_set():
             return
         if self.transfers.cancel(xfer):
             self.log.warning("source_write_cancelled", agent=job.agent, req=job.msg.req)
             return
+        job.move("abandon_deadline")
         handle = self.op_ids()
         if job.pinned_keys:
             self.outbox.report(self._source_error(job, handle, "uncertain"))
@@ -405,8 +440,11 @@ class Source:
     def _end_job(self, job: SourceJob, reason: str | None) -> None:
         """The write is over (or never happened): release claims and pins, tell the
         destination when it will get no notification."""
-        job.state = "over"
+        was_stalled = self.stalled
+        job.move("end")
+        self._settled.set()
         for block in job.claims:
+            assert self.local is not None  # only local G2 blocks are claimed
             self.local.unclaim(block)
         job.claims.clear()
         for pin in job.pins:
@@ -414,10 +452,9 @@ class Source:
         job.pins.clear()
         self.jobs.pop((job.msg.incarnation, job.msg.req), None)
         if reason is not None:
-            self.net.send(
+            self.plane.send(
                 job.msg.sender,
-                m.Over(self.net.my_endpoint(), self.net.incarnation, job.msg.req, reason),
+                m.Over(self.plane.my_endpoint(), self.plane.incarnation, job.msg.req, reason),
             )
-        if self.stalled and not any(j.state == "writing" for j in self.jobs.values()):
-            self.stalled = False
+        if was_stalled and not self.stalled:
             self.log.info("source_recovered")

@@ -85,3 +85,17 @@ def sleeper(fine: bool) -> tuple[Sleep, Callable[[], None]]:
         return trio.sleep, lambda: None
     timer = FineTimer()
     return timer.sleep, timer.close
+
+
+# How often the runtime polls NIXL while something is in flight: fast (every 0.2 ms) while
+# a busy period is young or its data is due, slowly (every millisecond) after. Transfers and
+# the peer control plane's progress loop both poll at this cadence.
+FAST_POLL_S = 0.0002
+SLOW_POLL_S = 0.001
+FAST_WINDOW_S = 0.01
+
+
+def poll_interval(now: float, busy_since: float, due: float = 0.0) -> float:
+    """The next poll's delay, ``busy_since`` being when the busy period began and ``due``
+    when the data in flight should have landed (0: unknown)."""
+    return FAST_POLL_S if now < max(busy_since + FAST_WINDOW_S, due) else SLOW_POLL_S

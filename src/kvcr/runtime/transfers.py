@@ -22,12 +22,8 @@ from typing import Any, Generic, TypeVar
 import attrs
 import trio
 
-from kvcr.runtime.timer import sleeper
+from kvcr.runtime.timer import poll_interval, sleeper
 from kvcr.transport.base import Transport, XferPoller, XferState
-
-FAST_POLL_S = 0.0002  # while a busy period is young (with the fine timer)
-FAST_WINDOW_S = 0.01
-SLOW_POLL_S = 0.001
 
 
 @attrs.define(eq=False)
@@ -146,8 +142,7 @@ class Transfers(Generic[_T]):
                     await self._work.wait()
                 busy_since = trio.current_time()
                 while self._in_flight:
-                    young = trio.current_time() - busy_since < FAST_WINDOW_S
-                    await sleep(FAST_POLL_S if young else SLOW_POLL_S)
+                    await sleep(poll_interval(trio.current_time(), busy_since))
                     for xfer in list(self._in_flight):
                         self._check(xfer)
         finally:

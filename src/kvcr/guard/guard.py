@@ -1,0 +1,210 @@
+"""One Guard per pool group: the group's file and mapping, its control listener (bound on the
+first claim, kept for the group's life), the watch on the current holder's pidfd, and,
+after a holder died, the server of its committed blocks (``serving.py``).
+
+A Guard's moves are the group's moves in ``rules.py``; this module does the I/O around them.
+Its tasks run in the service's supervisor nursery: the holder watch (``run``), the journal
+follower (``follow``), and a served group's runtime with its watcher. A Guard that fails
+stops the service; a served group whose runtime fails only makes its group unusable.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+from typing import Any
+
+import attrs
+import trio
+
+from kvcr.guard import protocol as wire
+from kvcr.guard.journal import Follower, Replay
+from kvcr.guard.pools import GroupFile, map_group
+from kvcr.guard.procs import close_quietly
+from kvcr.guard.rules import Groups, Lease
+from kvcr.guard.serving import CannotServe, GroupServer
+
+CONTROL_BACKLOG = 128
+FOLLOW_INTERVAL_S = 0.5
+
+
+class Guard:
+    def __init__(self, index: int, file: GroupFile, groups: Groups, log: Any) -> None:
+        self.index = index
+        self.file = file
+        self.mapping = map_group(file.fd, file.layout)
+        self.server: GroupServer | None = None
+        self.groups = groups
+        self.log = log.bind(group=index)
+        # The service's supervisor nursery, once it runs: served groups run in it.
+        self.nursery: trio.Nursery | None = None
+        self.lock = trio.Lock()  # one claim of this group at a time, across awaits
+        self.listener: socket.socket | None = None
+        # Unbounded, yet short: a lease is queued per grant and taken at the Guard's next turn.
+        self._send, self._leases = trio.open_memory_channel[tuple[Lease, int]](math.inf)
+        self._watch: tuple[int, trio.CancelScope] | None = None
+        # Servers started and not known to have stopped in order: one that did not keeps
+        # the group mapped at service stop (a transfer of it may still read the pools).
+        self._servers: list[GroupServer] = []
+        journal_offset, journal_size = file.layout.journal
+        self.follower = Follower(
+            memoryview(self.mapping.mmap)[journal_offset : journal_offset + journal_size]
+        )
+        self.journal: Replay | None = None  # what the follower saw last
+
+    async def control_listener(self, host: str, port: int) -> socket.socket:
+        """The group's listening TCP socket, bound to (host, port) on first use."""
+        if self.listener is None:
+            try:
+                infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            except (UnicodeError, ValueError) as exc:  # e.g. an over-long label
+                raise OSError(f"bad host {host!r}: {exc}") from None
+            family, kind, proto, _, address = infos[0]
+            sock = socket.socket(family, kind, proto)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(address)
+                sock.listen(CONTROL_BACKLOG)
+            except BaseException:
+                sock.close()
+                raise
+            self.listener = sock
+            self.log.info("control_bound", address=f"{host}:{sock.getsockname()[1]}")
+        return self.listener
+
+    def watch(self, lease: Lease, pidfd: int) -> None:
+        """Fence ``lease`` by ``pidfd`` (now owned by the Guard) until it ends."""
+        try:
+            self._send.send_nowait((lease, pidfd))
+        except BaseException:
+            close_quietly(pidfd)
+            raise
+
+    def released(self, lease: int, activated: bool = True) -> None:
+        if self.groups.end_lease(self.index, lease, "release"):
+            self.log.info("lease_ended", lease=lease, reason="released", activated=activated)
+        if self._watch is not None and self._watch[0] == lease:
+            self._watch[1].cancel()
+
+    async def run(self) -> None:
+        async for lease, pidfd in self._leases:
+            exited = False
+            try:
+                with trio.CancelScope() as scope:
+                    self._watch = (lease.number, scope)
+                    current = self.groups[self.index].lease
+                    if current is not None and current.number == lease.number:
+                        await trio.lowlevel.wait_readable(pidfd)
+                        exited = self.groups.end_lease(self.index, lease.number, "holder_exit")
+            finally:
+                self._watch = None
+                close_quietly(pidfd)
+            if exited:
+                self.log.info("lease_ended", lease=lease.number, pid=lease.pid, reason="exited")
+                async with self.lock:
+                    await self._take_over()
+
+    async def follow(self, interval_s: float = FOLLOW_INTERVAL_S) -> None:
+        """Keep up with the group's journal while somebody writes it (the holder, or this
+        Guard's own server), for ``status``. A failure here is logged, not fatal."""
+        while True:
+            if self.groups[self.index].state in ("held", "serving"):
+                try:
+                    self.journal = await trio.to_thread.run_sync(self.follower.poll)
+                except Exception as exc:
+                    self.log.warning("journal_follow_failed", error=repr(exc))
+            await trio.sleep(interval_s)
+
+    async def _take_over(self) -> None:
+        """Serve the dead holder's committed blocks on the group's endpoint. If that is not
+        possible (no address peers could use, or the server fails to start), the group just
+        stays idle and claimable: serving is a bonus, fencing leases is what must not fail."""
+        group = self.groups[self.index]
+        if group.state != "idle" or group.terms is None or self.listener is None:
+            return
+        started = trio.current_time()
+        assert self.nursery is not None, "the supervisor runs the Guard"
+        try:
+            server = GroupServer.prepare(
+                self.index, group.terms, self.mapping, self.listener, self.log
+            )
+            self._servers.append(server)
+            await server.start(self.nursery)
+        except CannotServe as exc:
+            self.log.warning("not_serving", reason=str(exc))
+            return
+        except Exception as exc:
+            self.log.error("takeover_failed", error=repr(exc))
+            self._forget_if_clean()
+            return
+        self.server = server
+        self.groups.move(self.index, "takeover")
+        self.nursery.start_soon(self._watch_server, server)
+        self.log.info("took_over", seconds=round(trio.current_time() - started, 6))
+
+    async def _watch_server(self, server: GroupServer) -> None:
+        """A server that stops on its own (its runtime failed) leaves the group unusable:
+        nobody can tell whether a transfer of it still reads the pools."""
+        await server.ended.wait()
+        if self.server is not server:
+            return  # handed back or closed: whoever stopped it decided
+        self.server = None
+        self._unusable(server, server.failure or "its server stopped")
+
+    def _unusable(self, server: GroupServer, reason: str) -> None:
+        self.groups.mark_unusable(self.index, reason)
+        self.log.error("group_unusable", reason=reason)
+
+    async def hand_back(self) -> None:
+        """A claim arrived for the group this Guard serves: stop serving first (the journal
+        then holds what the server held, for the claimant to recover). If the server could
+        not stop cleanly, the group becomes unusable instead."""
+        self.groups.move(self.index, "claim")
+        started = trio.current_time()
+        server, self.server = self.server, None
+        with trio.CancelScope(shield=True):  # bounded by the runtime's own deadlines
+            stopped_clean = server is None or await server.stop()
+        if server is not None and not stopped_clean:
+            reason = server.failure or "a transfer of its server may still read its pools"
+            self._unusable(server, reason)
+            return
+        self._forget_if_clean()
+        self.log.info("handed_back", seconds=round(trio.current_time() - started, 6))
+
+    def _forget_if_clean(self) -> None:
+        """Drop the servers that stopped in order: their runtime (NIXL agent, sockets) is
+        garbage from now on."""
+        self._servers = [s for s in self._servers if not s.clean]
+
+    def close(self) -> None:
+        """At service stop, once the supervisor nursery (and every server in it) is done:
+        close the listener, unmap, remove the group file. A group whose server did not stop
+        in order stays mapped until the process exits."""
+        kept = any(not s.clean for s in self._servers)
+        try:
+            if self.listener is not None:
+                self.listener.close()
+                self.listener = None
+            self.follower.release()
+            if kept:
+                self.log.error("group_kept_mapped", reason="a server's transfer may still run")
+                return
+            try:
+                self.mapping.close()
+            finally:
+                self.file.close(unlink=True)
+        finally:
+            self.server = None
+
+
+def with_journal(status: wire.GroupStatus, replay: Replay | None) -> wire.GroupStatus:
+    """``status`` with what the group's journal held when the service last read it."""
+    if replay is None or (replay.epoch == 0 and not replay.disabled):
+        return status  # never read, or nobody ever wrote it
+    fill = 100 if replay.disabled else min(100, round(100 * replay.used / replay.half_size))
+    return attrs.evolve(
+        status,
+        journal_fill_percent=fill,
+        journal_blocks=len(replay.state),
+        recovery_disabled=replay.disabled,
+    )

@@ -1,0 +1,81 @@
+"""The commands engine threads send the runtime (through ``Shared.commands``).
+
+The facade validates everything before it builds a command, so the runtime trusts their
+shape; they are frozen so that nothing the engine thread still holds can change under the
+runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from kvcr.types import BlockKey, MemoryRef
+
+
+@attrs.frozen
+class Hinted:
+    """Keys a request's router hint sends to a peer: its endpoint, the request (whose hint
+    is marked failed if the pull gets nothing) and the keys it covers."""
+
+    endpoint: str
+    request: object
+    keys: frozenset[BlockKey]
+
+
+@attrs.frozen
+class Deposit:
+    handle: int
+    keys: list[BlockKey]
+    sources: Mapping[BlockKey, tuple[int, ...]]  # key -> descriptor per pool
+    no_evict: bool
+    hints: Mapping[str, Any] | None
+
+
+@attrs.frozen
+class Deliver:
+    handle: int
+    keys: list[BlockKey]
+    destinations: Mapping[BlockKey, tuple[int, ...]]
+    refs: tuple[MemoryRef, ...]  # the engine's memory, named in a TransferError
+    remote: Hinted | None
+
+
+@attrs.frozen
+class Fetch:
+    handle: int
+    keys: list[BlockKey]
+    remote: Hinted | None
+
+
+@attrs.frozen
+class Release:
+    handles: Sequence[int]
+
+
+@attrs.frozen
+class Abort:
+    handle: int
+    keys: list[BlockKey] | None  # None: every key still pending
+
+
+@attrs.frozen
+class Connect:
+    endpoint: str
+
+
+@attrs.frozen
+class Align:
+    keys: list[BlockKey]
+    use_current_time: bool
+
+
+@attrs.frozen
+class Close:
+    pass
+
+
+OpCommand = Deposit | Deliver | Fetch
+Command = Deposit | Deliver | Fetch | Release | Abort | Connect | Align | Close

@@ -1,0 +1,336 @@
+"""What local G2 holds and for how long: the policy's hooks, claims and release handles,
+and room (eviction by policy score, spills to G3, the low watermark).
+
+A block is resident while it is in the index. A *claim* keeps it there (out of the eviction
+queue): an operation's transfer reading it, a source's write, or a release handle the engine
+holds. The last claim going puts it back in the queue with a fresh score. The operations
+that move bytes (``local.py``) build on this.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from kvcr.policy import HOOKS as POLICY_HOOKS
+from kvcr.policy import KVCachePolicy
+from kvcr.runtime.index import Block, BlockIndex, BlockState
+from kvcr.runtime.transfers import Transfers
+from kvcr.transport.base import Transport
+from kvcr.types import (
+    BlockKey,
+    BlockMeta,
+    CacheTier,
+    InventoryEvent,
+    PlacementAction,
+    PlacementFailure,
+    ReleaseHandle,
+)
+
+if TYPE_CHECKING:
+    from kvcr.runtime.build import Context, Shared
+    from kvcr.runtime.g3 import G3Tier
+
+_G2 = frozenset({CacheTier.LOCAL_G2})
+_G3 = frozenset({CacheTier.G3})
+_DROP = (PlacementAction.DROP, None)
+_NONE: frozenset[CacheTier] = frozenset()
+
+
+async def wait_filled(block: Block) -> None:
+    """Wait until ``block``'s fill is over, committed or not. The event is made only when
+    somebody waits: most fills have no waiter."""
+    if block.waiters is None:
+        block.waiters = trio.Event()
+    await block.waiters.wait()
+
+
+def fill_over(block: Block) -> None:
+    if block.waiters is not None:
+        block.waiters.set()
+        block.waiters = None
+
+
+class Residency:
+    def __init__(
+        self, context: Context, shared: Shared, index: BlockIndex, transfers: Transfers[Transport]
+    ) -> None:
+        self.memory = context.memory
+        self.index = index
+        self.transfers = transfers
+        self.outbox = shared.outbox
+        self.policy = policy = context.policy
+        self.live_handles = shared.live_handles
+        self.release_ids = context.release_ids
+        self.source_tier = context.source_tier
+        self.callbacks = shared.calls
+        self.log = context.log
+        watermark_percent = context.config.capacity_low_watermark_percent
+        self.handles: dict[int, BlockKey] = {}
+        # Hooks the policy leaves as KVCachePolicy's defaults are not called: the default is
+        # applied directly, which saves a BlockMeta and a call per key on the hot paths.
+        self._hooks = {
+            hook: None
+            if getattr(type(policy), hook, None) is getattr(KVCachePolicy, hook)
+            else getattr(policy, hook)
+            for hook in POLICY_HOOKS
+        }
+        self.watermark = [math.ceil(p.capacity * watermark_percent / 100) for p in index.pools]
+        # The file tier, once the runtime has started it; spills run as tasks of ``spawn``.
+        self.g3: G3Tier | None = None
+        self.spawn: Callable[..., None] | None = None
+        self._spilling = 0  # G2 blocks on their way to G3: their slots free up when stored
+        self._spilled = trio.Event()
+
+    # -- policy plumbing -------------------------------------------------------------------
+
+    def meta(self, block: Block, resident: frozenset[CacheTier] | None = None) -> BlockMeta:
+        if resident is None:
+            resident = _G2 if block.state is BlockState.READY else _NONE
+            if self.g3 is not None and block.key in self.g3:
+                resident = resident | _G3
+        return BlockMeta(
+            block.key,
+            self.memory.bytes_per_key,
+            block.access_count,
+            block.last_access,
+            resident,
+            block.position,
+        )
+
+    def score(self, block: Block) -> float:
+        if self._hooks["eviction_score"] is None:  # the base policy: least recently used
+            return block.last_access if block.last_access is not None else float("-inf")
+        score: float = self._policy("eviction_score", 0.0, self.meta(block), CacheTier.LOCAL_G2)
+        return score
+
+    def _policy(self, hook: str, default: Any, *args: Any) -> Any:
+        fn = self._hooks[hook]
+        if fn is None:
+            return default
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self.log.error("policy_hook_failed", hook=hook, error=repr(exc))
+            return default
+
+    def _wants(self, hook: str) -> bool:
+        return self._hooks[hook] is not None
+
+    def decide_ingest(
+        self,
+        meta: BlockMeta,
+        source: CacheTier,
+        required_local: bool,
+        default: tuple[PlacementAction, CacheTier | None],
+        hints: Mapping[str, Any] | None,
+    ) -> tuple[PlacementAction, CacheTier | None]:
+        if not self._wants("decide_ingest"):
+            return default
+        decision: tuple[PlacementAction, CacheTier | None] = self._policy(
+            "decide_ingest", default, meta, source, required_local, hints, None
+        )
+        return decision
+
+    def ingested(self, block: Block, source: CacheTier) -> None:
+        if self._wants("on_ingest"):
+            self._policy("on_ingest", None, self.meta(block), source)
+
+    # -- claims and release handles ----------------------------------------------------------
+
+    def claim(self, block: Block, now: float) -> None:
+        """An access that holds the block until ``unclaim``: out of the eviction queue
+        meanwhile, queued again with a fresh score when the last claim goes."""
+        block.claims += 1
+        self.index.touch(block, now)
+        if block.queued:
+            self.index.dequeue(block)
+
+    def unclaim(self, block: Block) -> None:
+        block.claims -= 1
+        if block.claims == 0 and not block.queued and self.index.holds(block):
+            self.index.rescore(block, self.score(block))
+
+    def hold(self, block: Block) -> ReleaseHandle:
+        """A claim the engine drops with ``release``: the block stays resident until then."""
+        block.claims += 1
+        if block.queued:
+            self.index.dequeue(block)
+        handle = ReleaseHandle(next(self.release_ids))
+        self.handles[handle] = block.key
+        self.live_handles.add(handle)
+        return handle
+
+    def release(self, handle: int) -> None:
+        key = self.handles.pop(handle, None)
+        block = self.index.get(key) if key is not None else None
+        if block is not None:
+            self.unclaim(block)
+
+    # -- room ------------------------------------------------------------------------------
+
+    def reserve(self, wanted: int, what: str) -> int:
+        """Make room for up to ``wanted`` keys, evicting by policy score; returns how many
+        fit. Tells the engine (capacity_needed_callback) when policy cannot free enough
+        room for the request plus the low watermark."""
+        pools = self.index.pools
+        coming = self._spilling  # slots that spills in flight will free
+        deficit = max(wanted + wm - p.free - coming for p, wm in zip(pools, self.watermark))
+        if deficit > 0:
+            self.evict(deficit)
+        granted = min(wanted, self.index.free_keys)
+        short = [
+            (p.name, wanted + wm - p.free - self._spilling)
+            for p, wm in zip(pools, self.watermark)
+            if wanted + wm - p.free - self._spilling > 0
+        ]
+        if short:
+            self.log.info("capacity_needed", op=what, pools=short, granted=granted, wanted=wanted)
+            self.callbacks.capacity_needed(short)
+        return granted
+
+    async def make_room(self, wanted: int, what: str) -> int:
+        """:meth:`reserve`, then, while spills to G3 are on their way and would free what
+        is missing, wait for them (within the operation's deadline)."""
+        granted = self.reserve(wanted, what)
+        while granted < wanted and self._spilling:
+            await self._spilled.wait()
+            granted = min(wanted, self.index.free_keys)
+        return granted
+
+    def evict(self, count: int) -> int:
+        removed: list[BlockKey] = []
+        spills: list[Block] = []
+        victims = self.index.victims(self.score)
+        with contextlib.closing(victims):
+            for block in victims:
+                if len(removed) + len(spills) >= count:
+                    break
+                if self._wants("decide_eviction"):
+                    action, tier = self._policy(
+                        "decide_eviction", _DROP, self.meta(block), CacheTier.LOCAL_G2
+                    )
+                    if action is PlacementAction.KEEP:
+                        continue
+                    if action is PlacementAction.MOVE_TO and tier is CacheTier.G3 and self.g3:
+                        # The slot stays until the G3 copy is committed: claimed meanwhile.
+                        block.claims += 1
+                        block.queued = False
+                        spills.append(block)
+                        continue
+                self.index.remove(block)
+                if self._wants("on_remove"):
+                    self._policy("on_remove", None, self.meta(block, _NONE))
+                removed.append(block.key)
+        if spills:
+            assert self.spawn is not None
+            self._spilling += len(spills)
+            self.spawn(self._spill, spills)
+        if removed:
+            self.callbacks.inventory(InventoryEvent(tuple(removed), CacheTier.LOCAL_G2, True))
+        return len(removed)
+
+    async def _spill(self, blocks: list[Block]) -> None:
+        """Store evicted blocks in G3, then free their G2 slots; a failed store goes to the
+        policy's ``decide_recovery`` (the default drops the block)."""
+        assert self.g3 is not None
+        base = self.memory.pool_base[0]  # G3 needs exactly one pool
+        try:
+            stored = await self.g3.store([(b.key, base + b.slots[0]) for b in blocks], "spill")
+        except Exception as exc:  # a bug must not leak the claims
+            self.log.exception("spill_failed", error=repr(exc))
+            stored = set()
+        finally:
+            self._spilling -= len(blocks)
+        removed: list[BlockKey] = []
+        for block in blocks:
+            block.claims -= 1
+            if not self.index.holds(block):
+                continue
+            if block.key not in stored:
+                failure = PlacementFailure(
+                    (PlacementAction.MOVE_TO, CacheTier.G3),
+                    CacheTier.LOCAL_G2,
+                    "G3 store failed",
+                    1,
+                )
+                action, _ = self._policy("decide_recovery", _DROP, self.meta(block), failure)
+                if action is PlacementAction.KEEP:
+                    if block.claims == 0:
+                        self.index.rescore(block, self.score(block))  # back in the queue
+                    continue
+            if block.claims:  # read meanwhile: it stays in G2 too, until evicted again
+                continue
+            self.index.remove(block)
+            removed.append(block.key)
+        if stored:
+            self.callbacks.inventory(InventoryEvent(tuple(stored), CacheTier.G3, False))
+        if removed:
+            self.callbacks.inventory(InventoryEvent(tuple(removed), CacheTier.LOCAL_G2, True))
+        self._spilled.set()
+        self._spilled = trio.Event()
+
+    # -- waiting for fills in progress ---------------------------------------------------------
+
+    async def wait_fills(self, keys: Sequence[BlockKey]) -> None:
+        for key in keys:
+            block = self.index.get(key)
+            if block is not None and block.state is BlockState.FILLING:
+                await wait_filled(block)
+
+    # -- G3 --------------------------------------------------------------------------------
+
+    def g3_score(self, block: Block) -> float:
+        if self._hooks["eviction_score"] is None:
+            return block.last_access if block.last_access is not None else float("-inf")
+        meta = BlockMeta(
+            block.key,
+            self.memory.bytes_per_key,
+            block.access_count,
+            block.last_access,
+            _G3,
+            block.position,
+        )
+        score: float = self._policy("eviction_score", 0.0, meta, CacheTier.G3)
+        return score
+
+    def g3_removed(self, keys: list[BlockKey]) -> None:
+        """G3 evicted (or stopped trusting) ``keys``: inventory, and ``on_remove`` for those
+        with no copy left in G2 either."""
+        self.callbacks.inventory(InventoryEvent(tuple(keys), CacheTier.G3, True))
+        if self._wants("on_remove"):
+            for key in keys:
+                if self.index.get(key) is None:
+                    meta = BlockMeta(key, self.memory.bytes_per_key, 0, None, _NONE)
+                    self._policy("on_remove", None, meta)
+
+    # -- alignment -------------------------------------------------------------------------
+
+    def align(self, keys: Sequence[BlockKey], use_current_time: bool, now: float) -> None:
+        placed = [
+            (position, b)
+            for position, k in enumerate(keys)
+            if (b := self.index.get(k)) is not None and b.state is BlockState.READY
+        ]
+        if not placed:
+            return
+        blocks = [b for _, b in placed]
+        if use_current_time:
+            anchor = now
+        else:
+            anchor = max(b.last_access for b in blocks if b.last_access is not None)
+        # Earlier positions of a prefix are worth more than later ones: they become the
+        # most recent, so a prefix is evicted from its tail.
+        for position, block in placed:
+            block.position = position
+            block.last_access = anchor - position * 1e-9
+        # The hook first, then the scores: a policy may score by what the hook taught it.
+        if self._wants("on_align_sequence"):
+            metas = [self.meta(b) for b in blocks]
+            self._policy("on_align_sequence", None, metas, use_current_time)
+        for block in blocks:
+            self.index.rescore(block, self.score(block))
