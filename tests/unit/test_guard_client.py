@@ -20,6 +20,7 @@ from kvcr.errors import (
     KVCRServiceError,
     KVCRSocketError,
 )
+from kvcr.guard import fdpass
 from kvcr.guard import protocol as wire
 
 LAYOUT = [("", 4096)]
@@ -52,7 +53,7 @@ class Script:
     def _serve(self, reply: Callable[[socket.socket], None]) -> None:
         conn, _ = self.server.accept()
         with conn:
-            data, fds = wire.recv_frame_with_fds(conn, 4)
+            data, fds = fdpass.recv_frame_with_fds(conn, 4)
             for fd in fds:
                 os.close(fd)
             self.request += wire.FrameReader().feed(data)
@@ -114,7 +115,7 @@ def test_extra_descriptors_are_a_framing_error_and_all_are_closed(scripted) -> N
     before = open_fds()
     pipes = [os.pipe() for _ in range(2)]
     fds = [fd for pair in pipes for fd in pair]
-    client = scripted(lambda c: wire.send_frame_with_fds(c, granted(), fds))
+    client = scripted(lambda c: fdpass.send_frame_with_fds(c, granted(), fds))
     with pytest.raises(KVCRMsgFramingError, match="more than 2 descriptors"):
         claim(client)
     for fd in fds:

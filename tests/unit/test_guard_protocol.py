@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcr.errors import KVCRMsgFramingError, KVCRServiceError, KVCRSocketError
+from kvcr.guard.fdpass import recv_frame_with_fds, recv_message_with_fds, send_frame_with_fds
 from kvcr.guard.protocol import (
     GROUP_STATES,
     MAX_FRAME,
@@ -42,9 +43,6 @@ from kvcr.guard.protocol import (
     decode_body,
     encode,
     encode_frame,
-    recv_frame_with_fds,
-    recv_message_with_fds,
-    send_frame_with_fds,
 )
 
 G3 = G3Description(
@@ -488,14 +486,14 @@ def test_on_a_decode_error_the_received_fds_are_closed(pair):
         seen.extend(fds)
         return data, fds
 
-    from kvcr.guard import protocol
+    from kvcr.guard import fdpass
 
-    protocol.recv_frame_with_fds = spy
+    fdpass.recv_frame_with_fds = spy
     try:
         with pytest.raises(KVCRMsgFramingError, match="guard_index"):
-            protocol.recv_message_with_fds(b, FrameReader(), max_fds=4)
+            fdpass.recv_message_with_fds(b, FrameReader(), max_fds=4)
     finally:
-        protocol.recv_frame_with_fds = original
+        fdpass.recv_frame_with_fds = original
     assert len(seen) == 2
     for fd in seen:
         assert not _is_open(fd)

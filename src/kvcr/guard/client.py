@@ -21,6 +21,7 @@ from typing import TypeVar
 
 from kvcr.config import G3Options, LocalDramOptions
 from kvcr.errors import KVCRGuardProtocolError, KVCRServiceError, KVCRSocketError
+from kvcr.guard import fdpass
 from kvcr.guard import protocol as wire
 from kvcr.guard.pools import GroupFile, GroupLayout, GroupMapping, map_group, share_group_file
 from kvcr.logs import get_logger
@@ -156,8 +157,8 @@ class KVCRClient:
             except OSError as exc:
                 raise KVCRSocketError(f"{where}: cannot connect: {exc}") from exc
             try:
-                wire.send_frame_with_fds(sock, message, fds)
-                return wire.recv_message_with_fds(sock, wire.FrameReader(), max_fds)
+                fdpass.send_frame_with_fds(sock, message, fds)
+                return fdpass.recv_message_with_fds(sock, wire.FrameReader(), max_fds)
             except KVCRServiceError as exc:
                 raise type(exc)(f"{where}: {message.TYPE}: {exc}") from exc
         finally:

@@ -25,6 +25,7 @@ import trio
 
 from kvcr.g3.files import G3Files
 from kvcr.runtime.index import Block, BlockIndex, BlockState, SlotPool
+from kvcr.runtime.residency import claim, unclaim
 from kvcr.runtime.transfers import Transfers, Xfer
 from kvcr.telemetry import SCOPE_G3_FILL, SCOPE_G3_STORE, result_label
 from kvcr.transport.base import TransportError
@@ -207,18 +208,13 @@ class G3Tier:
         if not wanted:
             return set()
         for block, _ in wanted:
-            block.claims += 1
-            if block.queued:
-                self.index.dequeue(block)
+            claim(self.index, block)
         try:
             xfer = await self._move("READ", [d for _, d in wanted], [b for b, _ in wanted], what)
         finally:
-            now, holds = trio.current_time(), self.index.holds
+            now = trio.current_time()
             for block, _ in wanted:
-                block.claims -= 1
-                if block.claims == 0 and holds(block):
-                    self.index.touch(block, now)
-                    self.index.rescore(block, self._score(block))
+                unclaim(self.index, block, self._score, now)
         if xfer is None or not xfer.ok:
             return set()
         return {b.key for b in self._verified([b for b, _ in wanted])}

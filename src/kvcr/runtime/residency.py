@@ -49,6 +49,28 @@ async def wait_filled(block: Block) -> None:
     await block.waiters.wait()
 
 
+def claim(index: BlockIndex, block: Block, now: float | None = None) -> None:
+    """Hold ``block`` in ``index`` (a read, a write to a peer, a release handle): out of
+    the eviction queue until the last claim goes; ``now`` counts as an access."""
+    block.claims += 1
+    if now is not None:
+        index.touch(block, now)
+    if block.queued:
+        index.dequeue(block)
+
+
+def unclaim(
+    index: BlockIndex, block: Block, score: Callable[[Block], float], now: float | None = None
+) -> None:
+    """Drop one claim; the last one queues the block again with a fresh score (``now``: an
+    access that ended now)."""
+    block.claims -= 1
+    if block.claims == 0 and not block.queued and index.holds(block):
+        if now is not None:
+            index.touch(block, now)
+        index.rescore(block, score(block))
+
+
 def fill_over(block: Block) -> None:
     if block.waiters is not None:
         block.waiters.set()
@@ -102,10 +124,12 @@ class Residency:
             block.position,
         )
 
-    def score(self, block: Block) -> float:
+    def score(self, block: Block, tier: CacheTier = CacheTier.LOCAL_G2) -> float:
+        """``block``'s eviction score in ``tier`` (its G2 record, or its G3 one)."""
         if self._hooks["eviction_score"] is None:  # the base policy: least recently used
             return block.last_access if block.last_access is not None else float("-inf")
-        score: float = self._policy("eviction_score", 0.0, self.meta(block), CacheTier.LOCAL_G2)
+        meta = self.meta(block, None if tier is CacheTier.LOCAL_G2 else _G3)
+        score: float = self._policy("eviction_score", 0.0, meta, tier)
         return score
 
     def _policy(self, hook: str, default: Any, *args: Any) -> Any:
@@ -143,23 +167,15 @@ class Residency:
     # -- claims and release handles ----------------------------------------------------------
 
     def claim(self, block: Block, now: float) -> None:
-        """An access that holds the block until ``unclaim``: out of the eviction queue
-        meanwhile, queued again with a fresh score when the last claim goes."""
-        block.claims += 1
-        self.index.touch(block, now)
-        if block.queued:
-            self.index.dequeue(block)
+        """An access that holds the block until ``unclaim`` (see :func:`claim`)."""
+        claim(self.index, block, now)
 
     def unclaim(self, block: Block) -> None:
-        block.claims -= 1
-        if block.claims == 0 and not block.queued and self.index.holds(block):
-            self.index.rescore(block, self.score(block))
+        unclaim(self.index, block, self.score)
 
     def hold(self, block: Block) -> ReleaseHandle:
         """A claim the engine drops with ``release``: the block stays resident until then."""
-        block.claims += 1
-        if block.queued:
-            self.index.dequeue(block)
+        claim(self.index, block)
         handle = ReleaseHandle(next(self.release_ids))
         self.handles[handle] = block.key
         self.live_handles.add(handle)
@@ -285,18 +301,7 @@ class Residency:
     # -- G3 --------------------------------------------------------------------------------
 
     def g3_score(self, block: Block) -> float:
-        if self._hooks["eviction_score"] is None:
-            return block.last_access if block.last_access is not None else float("-inf")
-        meta = BlockMeta(
-            block.key,
-            self.memory.bytes_per_key,
-            block.access_count,
-            block.last_access,
-            _G3,
-            block.position,
-        )
-        score: float = self._policy("eviction_score", 0.0, meta, CacheTier.G3)
-        return score
+        return self.score(block, CacheTier.G3)
 
     def g3_removed(self, keys: list[BlockKey]) -> None:
         """G3 evicted (or stopped trusting) ``keys``: inventory, and ``on_remove`` for those
