@@ -52,7 +52,7 @@ def main() -> None:
         say(refused=str(exc))
         return
     say(claimed=hold.lease, port=hold.control_address[1])
-    path = hold._grant.group_path
+    path = hold.group_path
     for line in sys.stdin:
         command = line.strip()
         if command == "release":

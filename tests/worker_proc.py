@@ -301,7 +301,7 @@ class Soak:
             "pulls": peers.pulls_in_flight(),
             "source_jobs": len(peers.source.jobs),
             "pins_outstanding": peers.pins.outstanding,
-            "pins_abandoned": len(peers.pins._abandoned),
+            "pins_abandoned": peers.pins.abandoned,
             "engine_pins": len(self.pins.pinned),
             "outbox": len(rt.outbox.results) + len(rt.shared.calls.queue),
         }

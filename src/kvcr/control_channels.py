@@ -242,6 +242,10 @@ class ZmqPeerControlChannel:
         with contextlib.suppress(Exception):
             self.close()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
         """Close every socket, even if one close fails (logged, not raised). Idempotent."""
         if self._closed:

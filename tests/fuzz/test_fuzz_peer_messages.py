@@ -291,7 +291,9 @@ def test_hostile_peer_traffic_leaves_the_source_serving_valid_pulls(data) -> Non
                 mallory.channel.send(a.endpoint, mallory.hello())
                 for where, _kind, raw in traffic:
                     if where == "notif-b":
-                        b.transport._notifs.append((data.draw(st.sampled_from(["a", "zz"])), raw))
+                        b.transport.inject_notification(
+                            data.draw(st.sampled_from(["a", "zz"])), raw
+                        )
                     else:
                         mallory.channel.send(a.endpoint if where == "a" else b.endpoint, raw)
                     await trio.sleep(0.001)

@@ -106,7 +106,7 @@ def test_a_group_is_claimed_released_and_claimed_again(guard) -> None:
 
 def test_the_pools_are_shared_memory_that_outlives_the_holder(guard) -> None:
     hold = claim(guard)
-    path = hold._grant.group_path
+    path = hold.group_path
     _, address, _ = hold.local_dram.pools[0]
     import ctypes
 

@@ -65,7 +65,7 @@ def test_two_workers_on_two_groups_move_blocks_through_the_group_endpoints(guard
     # Each close released its lease, having closed its channel first: the group's listener
     # must only be accepted on by its next holder (or the guard).
     assert guard.states() == [("idle", None), ("idle", None)]
-    assert destination.channel._closed
+    assert destination.channel.closed
 
 
 def test_the_group_endpoint_outlives_a_sigkilled_worker(guard) -> None:

@@ -163,7 +163,7 @@ async def test_a_peer_without_the_key_gets_nothing(autojump_clock, monkeypatch, 
         assert {e.status.value for e in entries.values()} == {"FAILED"}
         assert b.engine.checksum(10) != a.engine.checksum(0)
         assert dropped(a)["unauthenticated"] >= 1  # every Hello, none answered
-        assert a.transport._peers == {}  # b's metadata was never loaded
+        assert a.transport.known_agents == frozenset()  # b's metadata was never loaded
         assert [x.peer for x in a.transport.posted] == [None]  # the deposit, no write
 
 

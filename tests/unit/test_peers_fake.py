@@ -474,8 +474,8 @@ async def test_a_duplicate_completion_is_dropped_and_changes_nothing(autojump_cl
         replay = m.encode(m.Written(world.sent("hello_ack")[0].incarnation, pull.req, [0]))
 
         with capture_events() as events:
-            b.transport._notifs.append(("a", replay))
-            b.transport._notifs.append(("a", replay))
+            b.transport.inject_notification("a", replay)
+            b.transport.inject_notification("a", replay)
             await trio.sleep(0.01)
             entries = await b.deliver([(1, 11)])
 

@@ -268,6 +268,11 @@ class KVCRPoolHold:
         return self._grant.guard_index if self._grant else None
 
     @property
+    def group_path(self) -> str | None:
+        """The group file this hold maps (the service's path)."""
+        return self._grant.group_path if self._grant else None
+
+    @property
     def lease(self) -> int | None:
         return self._grant.lease if self._grant else None
 

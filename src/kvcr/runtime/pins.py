@@ -90,6 +90,11 @@ class Pins:
         self._closing = False
 
     @property
+    def abandoned(self) -> int:
+        """Requests given up on whose answer may still come (released when it does)."""
+        return len(self._abandoned)
+
+    @property
     def outstanding(self) -> int:
         """Requests not answered and releases not accepted yet."""
         return len(self._waiting) + len(self._releasing)

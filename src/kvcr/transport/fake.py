@@ -293,6 +293,15 @@ class FakeTransport:
         self._notifs.clear()
         return out
 
+    def inject_notification(self, sender: str, raw: bytes) -> None:
+        """A notification as if agent ``sender`` had sent it (replays, forgeries)."""
+        self._notifs.append((sender, raw))
+
+    @property
+    def known_agents(self) -> frozenset[str]:
+        """Agents whose metadata this transport loaded (add_peer, not yet removed)."""
+        return frozenset(self._peers)
+
     def progress(self) -> None:
         return None
 
