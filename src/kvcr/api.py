@@ -17,7 +17,8 @@ from typing import Any, cast
 
 from kvcr.bindings import KVCRBindings
 from kvcr.config import KVCRBackendConfigs, KVCRConfig, KVCRGuardConfig, TelemetryStats
-from kvcr.hints import HintBook, RouterHint, parse_router_hint
+from kvcr.hint_book import HintBook
+from kvcr.hints import RouterHint, parse_router_hint
 from kvcr.instance import Instance
 from kvcr.runtime.commands import Abort, Align, Connect, Deliver, Deposit, Fetch, Hinted, Release
 from kvcr.types import (

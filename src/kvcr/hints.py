@@ -15,8 +15,9 @@ Engines pass it along with the request (vLLM 0.33: the request's ``kv_hints``; o
 ``kv_transfer_params``), so the same envelope is also accepted wrapped as
 ``{ROUTER_HINT_KEY: envelope}`` (other keys of the wrapper are ignored;
 error paths then start with ``kv_hint.``). ``parse_router_hint`` turns either shape into a
-frozen ``RouterHint`` or raises ``ValueError``; ``HintBook`` remembers the parsed hint of each
-request, bounded, and answers "does this request's hint cover this block hash?". Everything
+frozen ``RouterHint`` or raises ``ValueError``; ``HintBook`` (``hint_book.py``) remembers
+the parsed hint of each request, bounded, and answers "does this request's hint cover this
+block hash?". Everything
 here is plain code over plain values: no I/O, no threads of its own, no trio.
 
 Rules (contract section 6, plus the decisions marked *)
@@ -58,8 +59,7 @@ from __future__ import annotations
 import re
 import reprlib
 import threading
-from collections import OrderedDict
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import attrs
@@ -74,7 +74,6 @@ __all__ = [
     "PROTOCOL_VERSION",
     "ROUTER_HINT_CAPABILITIES",
     "ROUTER_HINT_KEY",
-    "HintBook",
     "RouterHint",
     "forget_logged_versions",
     "parse_router_hint",
@@ -134,7 +133,7 @@ def _text(value: object) -> str:
     return text if len(text) <= _SHORT else text[: _SHORT - 3] + "..."
 
 
-def _describe(value: object) -> str:
+def describe_value(value: object) -> str:
     """``<type> <short repr>``, e.g. ``bool True`` or ``list [1, 2, ...]``."""
     if value is None:
         return "None"
@@ -232,14 +231,14 @@ def _first_bad_hash(hashes: Sequence[object]) -> int | None:
 def _bad_hash_problem(value: object) -> str:
     if type(value) is bool:
         return f"expected an int in [0, 2**64), got bool {value!r} (bools are not hashes)"
-    return f"expected an int in [0, 2**64), got {_describe(value)}"
+    return f"expected an int in [0, 2**64), got {describe_value(value)}"
 
 
 def _validate_endpoint(_hint: object, _attribute: object, value: Any) -> None:
     # ``value`` is whatever the caller passed (Any, so the field keeps its declared type).
     if not isinstance(value, str):
         raise TypeError(
-            f"RouterHint: source_control_endpoint must be a str, got {_describe(value)}"
+            f"RouterHint: source_control_endpoint must be a str, got {describe_value(value)}"
         )
     problem = _endpoint_problem(value)
     if problem is not None:
@@ -257,7 +256,7 @@ def _validate_hashes(_hint: object, _attribute: object, value: tuple[object, ...
 def _validate_mode(_hint: object, _attribute: object, value: object) -> None:
     if value not in SUPPORTED_MODES:
         raise ValueError(
-            f"RouterHint: mode: {_describe(value)} is not implemented yet; only 'copy' is"
+            f"RouterHint: mode: {describe_value(value)} is not implemented yet; only 'copy' is"
         )
 
 
@@ -307,18 +306,18 @@ def _as_router_hash(block_hash: object) -> int:
         if 1 <= len(block_hash) <= 8:
             return int.from_bytes(block_hash, "big")
         raise ValueError(
-            f"covers: block hash {_describe(block_hash)} has {len(block_hash)} bytes; "
+            f"covers: block hash {describe_value(block_hash)} has {len(block_hash)} bytes; "
             "KeyAdapter.decode must return 1 to 8 bytes (big-endian unsigned 64-bit hash)"
         )
     if isinstance(block_hash, int) and not isinstance(block_hash, bool):
         if 0 <= block_hash < HASH_LIMIT:
             return int(block_hash)
         raise ValueError(
-            f"covers: block hash {_describe(block_hash)} is outside [0, 2**64); "
+            f"covers: block hash {describe_value(block_hash)} is outside [0, 2**64); "
             "KeyAdapter.decode must return an unsigned 64-bit router block hash"
         )
     raise TypeError(
-        f"covers: block hash {_describe(block_hash)} is neither int nor bytes; "
+        f"covers: block hash {describe_value(block_hash)} is neither int nor bytes; "
         "KeyAdapter.decode must return the router's block hash as int or bytes"
     )
 
@@ -362,7 +361,7 @@ def parse_router_hint(envelope: object) -> RouterHint:
         root, prefix = ROUTER_HINT_KEY, ROUTER_HINT_KEY + "."
     if not isinstance(envelope, Mapping):
         raise _reject(
-            root, f"expected a mapping (the router hint envelope), got {_describe(envelope)}"
+            root, f"expected a mapping (the router hint envelope), got {describe_value(envelope)}"
         )
     protocol_version = _note_version(
         "protocol_version", envelope.get("protocol_version"), PROTOCOL_VERSION
@@ -373,12 +372,12 @@ def parse_router_hint(envelope: object) -> RouterHint:
     if actions is _MISSING:
         raise _reject(path, "missing; expected a list of actions")
     if type(actions) is not list:
-        raise _reject(path, f"expected a list of actions, got {_describe(actions)}")
+        raise _reject(path, f"expected a list of actions, got {describe_value(actions)}")
     chosen = None
     for index, action in enumerate(actions):
         if not isinstance(action, Mapping):
             raise _reject(
-                f"{path}[{index}]", f"expected a mapping (an action), got {_describe(action)}"
+                f"{path}[{index}]", f"expected a mapping (an action), got {describe_value(action)}"
             )
         if chosen is None:
             action_type = action.get("action_type")
@@ -396,14 +395,14 @@ def parse_router_hint(envelope: object) -> RouterHint:
     if payload is _MISSING:
         raise _reject(path, "missing; expected a mapping")
     if not isinstance(payload, Mapping):
-        raise _reject(path, f"expected a mapping, got {_describe(payload)}")
+        raise _reject(path, f"expected a mapping, got {describe_value(payload)}")
 
     endpoint = payload.get("source_control_endpoint", _MISSING)
     where = path + ".source_control_endpoint"
     if endpoint is _MISSING:
         raise _reject(where, "missing; expected 'tcp://HOST:PORT'")
     if not isinstance(endpoint, str):
-        raise _reject(where, f"expected a string 'tcp://HOST:PORT', got {_describe(endpoint)}")
+        raise _reject(where, f"expected a string 'tcp://HOST:PORT', got {describe_value(endpoint)}")
     problem = _endpoint_problem(endpoint)
     if problem is not None:
         raise _reject(where, problem)
@@ -414,7 +413,7 @@ def parse_router_hint(envelope: object) -> RouterHint:
         raise _reject(where, "missing; expected a non-empty list of ints in [0, 2**64)")
     if type(hashes) is not list:
         raise _reject(
-            where, f"expected a non-empty list of ints in [0, 2**64), got {_describe(hashes)}"
+            where, f"expected a non-empty list of ints in [0, 2**64), got {describe_value(hashes)}"
         )
     if not hashes:
         raise _reject(where, "empty; expected a non-empty list of ints in [0, 2**64)")
@@ -425,13 +424,14 @@ def parse_router_hint(envelope: object) -> RouterHint:
     mode = payload.get("mode")
     if mode is not None and not (type(mode) is str and mode in SUPPORTED_MODES):
         raise _reject(
-            path + ".mode", f"{_describe(mode)} is not implemented yet; only 'copy' is supported"
+            path + ".mode",
+            f"{describe_value(mode)} is not implemented yet; only 'copy' is supported",
         )
     no_retain = payload.get("no_retain")
     if no_retain:
         raise _reject(
             path + ".no_retain",
-            f"{_describe(no_retain)}: no_retain is not implemented yet; omit it or set it false",
+            f"{describe_value(no_retain)}: no_retain is not implemented yet; omit it or set it false",
         )
 
     return RouterHint(
@@ -443,84 +443,3 @@ def parse_router_hint(envelope: object) -> RouterHint:
         action_version=action_version,
         mode="copy",
     )
-
-
-# --- per-request memory ---------------------------------------------------------------------
-
-
-class HintBook:
-    """The hints of live requests, at most ``max_requests`` of them (oldest evicted first).
-
-    - ``submit`` stores a hint for a request id (any hashable, including ``None``). A second
-      submission for the same id replaces the hint, clears its failed mark and makes it the
-      newest, so ``None`` (a hint for "no particular request") is replaced by each new ``None``
-      submission like any other id.
-    - When full, submitting a new id evicts the oldest submitted ids and returns them, so an
-      adapter that never calls ``discard`` cannot grow memory without bound.
-    - ``mark_failed`` keeps the hint (``get`` still returns it for diagnostics) but from then on
-      ``covers`` answers False and ``failed`` True, until the id is discarded or resubmitted.
-      Marking an unknown id does nothing and returns False (a late failure after ``discard``
-      must not resurrect an entry).
-    """
-
-    __slots__ = ("_entries", "_max_requests")
-
-    def __init__(self, max_requests: int = DEFAULT_MAX_REQUESTS) -> None:
-        if type(max_requests) is not int or max_requests < 1:
-            raise ValueError(
-                f"HintBook: max_requests must be a positive int, got {_describe(max_requests)}"
-            )
-        self._max_requests = max_requests
-        self._entries: OrderedDict[Hashable, tuple[RouterHint, bool]] = OrderedDict()
-
-    @property
-    def max_requests(self) -> int:
-        return self._max_requests
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __contains__(self, request_id: Hashable) -> bool:
-        return request_id in self._entries
-
-    def submit(self, request_id: Hashable, hint: RouterHint) -> tuple[Hashable, ...]:
-        """Remember ``hint`` for ``request_id``; returns the request ids evicted to make room."""
-        if not isinstance(hint, RouterHint):
-            raise TypeError(f"HintBook.submit: expected a RouterHint, got {_describe(hint)}")
-        entries = self._entries
-        entries.pop(request_id, None)
-        evicted = []
-        while len(entries) >= self._max_requests:
-            evicted.append(entries.popitem(last=False)[0])
-        entries[request_id] = (hint, False)
-        return tuple(evicted)
-
-    def discard(self, request_id: Hashable) -> bool:
-        """Forget the request's hint; False if there was none."""
-        return self._entries.pop(request_id, None) is not None
-
-    def get(self, request_id: Hashable) -> RouterHint | None:
-        """The request's hint (also when failed), or None."""
-        entry = self._entries.get(request_id)
-        return None if entry is None else entry[0]
-
-    def mark_failed(self, request_id: Hashable) -> bool:
-        """A remote operation for the request failed: stop offering its hint. False if the
-        request has no hint."""
-        entry = self._entries.get(request_id)
-        if entry is None:
-            return False
-        self._entries[request_id] = (entry[0], True)
-        return True
-
-    def failed(self, request_id: Hashable) -> bool:
-        entry = self._entries.get(request_id)
-        return entry is not None and entry[1]
-
-    def covers(self, request_id: Hashable, block_hash: int | bytes) -> bool:
-        """Whether the request has a live (not failed) hint covering ``block_hash``. Without
-        one the answer is False and ``block_hash`` is not examined."""
-        entry = self._entries.get(request_id)
-        if entry is None or entry[1]:
-            return False
-        return entry[0].covers(block_hash)

@@ -221,7 +221,7 @@ def test_serve_flags_give_a_service_config_or_a_flag_error_naming_the_flag(
             flags[flag] = data.draw(FLAG_VALUES[flag])
     argv = [x for flag, value in flags.items() for x in (flag, value) if flag != "--log-level"]
     try:
-        args = cli._serve_parser().parse_args(argv)
+        args = cli.serve_parser().parse_args(argv)
     except SystemExit as exc:
         assert exc.code == 2  # argparse: a value of the wrong type, said on stderr
         return

@@ -97,10 +97,7 @@ def poll(side: EngineSide) -> bool:
 
 def taken(answers: Inbox) -> list:
     """What the engine side handed back (the runtime's inbox, read without a loop)."""
-    out = []
-    while answers._queue:
-        out.extend(answers._queue.popleft())
-    return out
+    return [item for batch in answers.take_now() for item in batch]
 
 
 EVENT = InventoryEvent((K1,), CacheTier.LOCAL_G2, False)

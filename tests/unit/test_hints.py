@@ -16,10 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcr import hints
+from kvcr.hint_book import HintBook
 from kvcr.hints import (
     ROUTER_HINT_CAPABILITIES,
     ROUTER_HINT_KEY,
-    HintBook,
     RouterHint,
     parse_router_hint,
 )

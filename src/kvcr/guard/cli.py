@@ -38,7 +38,7 @@ class FlagError(ValueError):
     """A flag is out of range; the message names it."""
 
 
-def _serve_parser() -> argparse.ArgumentParser:
+def serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvcr-guard",
         description="Own kvcr pool groups in shared memory and lend them to workers. "
@@ -154,7 +154,7 @@ async def _run(service: GuardService, log: Any) -> None:
 
 
 def serve(argv: list[str]) -> int:
-    parser = _serve_parser()
+    parser = serve_parser()
     args = parser.parse_args(argv)
     try:
         _setup_logging(args.log_level)

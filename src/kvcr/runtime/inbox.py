@@ -48,6 +48,13 @@ class Inbox:
             # A failure means the fd is closed: the runtime is gone and will not read it.
             _eventfd_write(self._fd, 1)
 
+    def take_now(self) -> list[Any]:
+        """Everything queued right now, without waiting (a reader outside a trio loop)."""
+        batch = []
+        while self._queue:
+            batch.append(self._queue.popleft())
+        return batch
+
     async def get_batch(self) -> list[Any]:
         """Wait until at least one command is queued; return all queued commands."""
         while True:
