@@ -59,9 +59,7 @@ class Inbox:
         """Wait until at least one command is queued; return all queued commands."""
         while True:
             self._armed = False
-            batch = []
-            while self._queue:
-                batch.append(self._queue.popleft())
+            batch = self.take_now()
             if batch:
                 return batch
             await trio.lowlevel.wait_readable(self._fd)

@@ -35,7 +35,6 @@ from kvcr.types import (
     PlacementAction,
 )
 
-_G2 = frozenset({CacheTier.LOCAL_G2})
 _STORE = (PlacementAction.COPY_TO, CacheTier.LOCAL_G2)
 _NONE: frozenset[CacheTier] = frozenset()
 
