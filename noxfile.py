@@ -146,7 +146,7 @@ def crash_cold(session: nox.Session) -> None:
                 "-p",
                 "no:randomly",
                 "tests/integration/test_crash_recovery.py",
-                env=NIXL_ENV,
+                env={**NIXL_ENV, "KVCR_CRASH_TRIALS": "20"},
             )
         finally:
             for process in hogs:

@@ -130,7 +130,7 @@ def usable(obj: object) -> None:
             assert type(value) is int and 0 < value < 2**63, (name, value)
 
 
-@fuzz(1500)
+@fuzz(600)
 @given(data=st.data())
 def test_any_field_value_builds_a_valid_config_or_raises_naming_the_field(
     tmp_path_factory, data

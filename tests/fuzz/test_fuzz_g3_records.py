@@ -20,6 +20,7 @@ from fuzzing import case, fuzz, open_fds
 from hypothesis import given
 from hypothesis import strategies as st
 
+from g3_moves import read, store
 from kvcr.g3.files import (
     PAGE,
     RECORD_SIZE,
@@ -139,7 +140,7 @@ async def _store_damage_read(directory: Path, damage: list[tuple[int, int, bytes
             files.slot_rows(),
         )
         log = get_logger("kvcr.test")
-        transfers = Transfers(transport, log, fine=True)
+        transfers = Transfers(transport, log, fine=True, busy=True)
         tier = G3Tier(
             files=files,
             transport=transport,
@@ -151,12 +152,12 @@ async def _store_damage_read(directory: Path, damage: list[tuple[int, int, bytes
         async with trio.open_nursery() as nursery:
             nursery.start_soon(transfers.run)
             keys = [b"key-%d" % i for i in range(HOST)]
-            assert await tier.store([(k, i) for i, k in enumerate(keys)], "spill") == set(keys)
+            assert await store(tier, [(k, i) for i, k in enumerate(keys)], "spill") == set(keys)
             slots = {k: tier.index.get(k).slots[0] for k in keys}
             for file_index, offset, raw in damage:
                 os.pwrite(files.files[file_index].fd, raw, offset)
 
-            got = await tier.read([(k, HOST + i) for i, k in enumerate(keys)], "fill")
+            got = await read(tier, [(k, HOST + i) for i, k in enumerate(keys)], "fill")
 
             for i, k in enumerate(keys):
                 block = slice(i * TIER_BLOCK, (i + 1) * TIER_BLOCK)

@@ -267,7 +267,7 @@ def run(scenario) -> None:
     assert open_fds() == before, "an example leaked file descriptors"
 
 
-@fuzz(150)
+@fuzz(60)
 @given(st.data())
 def test_hostile_peer_traffic_leaves_the_source_serving_valid_pulls(data) -> None:
     case("peer message (live pair)")

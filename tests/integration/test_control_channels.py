@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import trio
+import zmq
 
 from kvcr.control_channels import (
     KVCRServiceError,
@@ -216,11 +217,21 @@ def test_close_is_idempotent_and_final(channels: ChannelFactory) -> None:
 def test_close_closes_everything_even_if_one_close_raises(
     channels: ChannelFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    channel, peer_a, peer_b = channels(), channels(), channels()
-    assert channel.send(peer_a.endpoint, b"a") and channel.send(peer_b.endpoint, b"b")
-    failing, healthy = channel._dealers.values()
-    router, ctx = channel._router, channel._ctx
-    assert router is not None and ctx is not None
+    peer_a, peer_b = channels(), channels()
+    created: list[zmq.Socket] = []  # the channel's sockets, in the order it makes them
+    make_socket = zmq.Context.socket
+
+    def recording(ctx: zmq.Context, kind: int, *args: object, **kwargs: object) -> zmq.Socket:
+        sock = make_socket(ctx, kind, *args, **kwargs)
+        created.append(sock)
+        return sock
+
+    with monkeypatch.context() as patched:
+        patched.setattr(zmq.Context, "socket", recording)
+        channel = channels()
+        assert channel.send(peer_a.endpoint, b"a") and channel.send(peer_b.endpoint, b"b")
+    router, failing, healthy = created
+    assert router.type == zmq.ROUTER and failing.type == healthy.type == zmq.DEALER
 
     def broken_close(*args: object, **kwargs: object) -> None:
         raise OSError("close failed")

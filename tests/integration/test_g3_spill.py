@@ -6,8 +6,12 @@ turns its keys into misses, never into wrong bytes."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,8 +29,8 @@ from kvcr.telemetry import (
     InMemoryStats,
 )
 from kvcr.testing import open_kvcr
-from kvcr.transport.base import TransportError
-from kvcr.types import CacheTier, PlacementAction, QueryStatus
+from kvcr.transport.base import TransportError, XferState
+from kvcr.types import CacheTier, PlacementAction, QueryStatus, TransferError
 
 pytestmark = pytest.mark.integration
 
@@ -40,13 +44,20 @@ def key(i: int) -> bytes:
 
 
 class Instance:
-    def __init__(self, tmp_path: Path, name: str = "g3w", **bindings: object) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        name: str = "g3w",
+        config: dict[str, object] | None = None,
+        **bindings: object,
+    ) -> None:
         self.engine = EngineSim(
             name=name,
             layouts=[("", BLOCK)],
             pool_blocks=4,
             region_blocks=32,
             enable_telemetry=True,
+            **(config or {}),
         )
         self.recorder = Recorder()
         self.g3 = G3Options(
@@ -168,6 +179,86 @@ def test_a_failed_store_goes_to_the_policy(tmp_path) -> None:
         assert inst.kv.query([key(0)]) == [HIT]
     finally:
         inst.close()
+
+
+class HeldFileTransfers:
+    """Fault injection on the real file transport: while held, every poll says the transfer
+    is still running (the real transfer does not progress: the POSIX backend works inside
+    polls); once let go, polls reach NIXL again."""
+
+    def __init__(self, transport: object) -> None:
+        self.let_go = threading.Event()
+        self._poll = transport.poll
+        transport.poll = self.poll
+
+    def poll(self, handle: object) -> XferState:
+        return self._poll(handle) if self.let_go.is_set() else XferState.PROC
+
+
+def test_a_g3_read_that_outlives_its_deliver_holds_its_blocks_until_it_ends(
+    tmp_path, caplog
+) -> None:
+    inst = Instance(tmp_path, config={"operation_timeout_ms": 200, "abandon_timeout_ms": 400})
+    try:
+        inst.deposit([0, 1, 2, 3])
+        inst.deposit([4, 5, 6, 7])  # 0..3 are in G3 now
+        g3 = inst.runtime.g3
+        held = HeldFileTransfers(g3.transport)
+
+        with caplog.at_level(logging.WARNING, logger="kvcr"):
+            result = inst.deliver([(0, 20), (1, 21)])
+            # The deliver ends at its deadline, telling the engine that its memory may still
+            # be written; the G3 blocks stay claimed (not evictable, not lost) meanwhile.
+            assert result == {key(0): "FAILED", key(1): "FAILED"}
+            (uncertain,) = inst.recorder.resilience
+            assert isinstance(uncertain, TransferError) and uncertain.state == "uncertain"
+            assert [g3.index.get(key(i)).claims for i in (0, 1)] == [1, 1]
+            assert inst.kv.query([key(0), key(1)]) == [IN_G3, IN_G3]
+            wait_for(inst, lambda: "transfer_abandoned" in caplog.text)
+
+        held.let_go.set()  # the read ends: only now do the claims end and the engine hear
+        wait_for(inst, lambda: len(inst.recorder.resilience) == 2)
+        assert inst.recorder.resilience[1].state == "quiesced"
+        assert [g3.index.get(key(i)).claims for i in (0, 1)] == [0, 0]
+        assert set(inst.deliver([(0, 22), (1, 23)]).values()) == {"SUCCESS"}
+        assert inst.engine.checksum(22) == inst.sums[0]
+    finally:
+        inst.close()
+
+
+def test_a_spill_that_outlives_abandon_timeout_is_reported_and_keeps_its_slots(
+    tmp_path, caplog
+) -> None:
+    inst = Instance(tmp_path, config={"operation_timeout_ms": 200, "abandon_timeout_ms": 400})
+    try:
+        inst.deposit([0, 1, 2, 3])
+        held = HeldFileTransfers(inst.runtime.g3.transport)
+
+        with caplog.at_level(logging.WARNING, logger="kvcr"):
+            # The new key needs the slot that the spill of an older block would free: the
+            # deposit waits for it until its deadline; the spill is reported at
+            # abandon_timeout_ms, and the block it copies stays in G2 meanwhile.
+            assert inst.deposit([4]) == {key(4): "FAILED"}
+            wait_for(inst, lambda: "transfer_abandoned" in caplog.text)
+        assert "what='spill'" in caplog.text
+        assert inst.kv.query([key(i) for i in range(4)]).count(HIT) == 4  # nothing lost
+
+        held.let_go.set()
+        wait_for(inst, lambda: inst.kv.query([key(0)]) == [IN_G3])  # the spill ended: 0 moved
+        assert set(inst.deposit([4]).values()) == {"SUCCESS"}
+        assert set(inst.deliver([(0, 20)]).values()) == {"SUCCESS"}
+        assert inst.engine.checksum(20) == inst.sums[0]
+    finally:
+        inst.close()
+
+
+def wait_for(inst: Instance, condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Poll like an engine (events reach it inside its calls) until ``condition`` holds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        inst.engine.absorb(inst.kv)
+        time.sleep(0.005)
 
 
 @pytest.mark.parametrize("damage", ["delete", "truncate", "zero"])

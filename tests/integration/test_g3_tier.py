@@ -14,6 +14,7 @@ import trio
 
 from damage import KINDS
 from damage import damage as damage_file
+from g3_moves import read, store
 from kvcr.g3.files import G3Files
 from kvcr.guard import journal
 from kvcr.logs import get_logger
@@ -48,7 +49,7 @@ class World:
         )
         self.removed: list[bytes] = []
         self.scores: dict[bytes, float] = {}
-        self.transfers = Transfers(self.transport, get_logger("kvcr.test"), fine=True)
+        self.transfers = Transfers(self.transport, get_logger("kvcr.test"), fine=True, busy=True)
         self.tier = G3Tier(
             files=self.files,
             transport=self.transport,
@@ -84,23 +85,23 @@ def k(i: int) -> bytes:
 
 
 async def test_stored_blocks_read_back_byte_exact(world) -> None:
-    stored = await world.tier.store([(k(i), i) for i in range(6)], "spill")
+    stored = await store(world.tier, [(k(i), i) for i in range(6)], "spill")
     assert stored == {k(i) for i in range(6)}
     assert all(world.tier.view[k(i)] == FETCHABLE_G3 for i in range(6))
 
-    got = await world.tier.read([(k(i), HOST + i) for i in range(6)], "fill")
+    got = await read(world.tier, [(k(i), HOST + i) for i in range(6)], "fill")
 
     assert got == stored
     assert all(world.read_back(i) == world.host(i) for i in range(6))
-    assert await world.tier.store([(k(0), 0)], "again") == set()  # already there
+    assert await store(world.tier, [(k(0), 0)], "again") == set()  # already there
 
 
 async def test_full_files_evict_the_lowest_scored_blocks(world) -> None:
     world.scores = {k(i): float(i) for i in range(8)}
-    await world.tier.store([(k(i), i) for i in range(8)], "fill up")  # 2 files x 4 slots
+    await store(world.tier, [(k(i), i) for i in range(8)], "fill up")  # 2 files x 4 slots
     world.scores[k(8)] = 100.0
 
-    stored = await world.tier.store([(k(8), 0), (k(9), 1)], "more")
+    stored = await store(world.tier, [(k(8), 0), (k(9), 1)], "more")
 
     assert stored == {k(8), k(9)}
     assert world.removed == [k(0), k(1)]
@@ -117,7 +118,7 @@ async def test_a_slot_is_rewritten_only_once_the_journal_no_longer_names_its_old
     index = BlockIndex([SlotPool("g2", BLOCK, 1)])
     world.tier.journal = Mirror(buf, index, {}, group=1, log=get_logger("kvcr.test"))
     world.scores = {k(i): float(i) for i in range(9)}
-    await world.tier.store([(k(i), i) for i in range(8)], "fill up")
+    await store(world.tier, [(k(i), i) for i in range(8)], "fill up")
     world.tier.journal.flush()
     assert set(journal.read(buf).g3) == {k(i) for i in range(8)}
     named_at_post: list[set[bytes]] = []
@@ -129,7 +130,7 @@ async def test_a_slot_is_rewritten_only_once_the_journal_no_longer_names_its_old
 
     world.transport.post = post_and_look
 
-    assert await world.tier.store([(k(8), 0)], "evicts key 0") == {k(8)}
+    assert await store(world.tier, [(k(8), 0)], "evicts key 0") == {k(8)}
 
     assert named_at_post == [{k(i) for i in range(1, 8)}]
     world.tier.journal.flush()
@@ -138,11 +139,11 @@ async def test_a_slot_is_rewritten_only_once_the_journal_no_longer_names_its_old
 
 @pytest.mark.parametrize("damage", KINDS)
 async def test_a_damaged_file_turns_its_keys_into_misses(world, damage) -> None:
-    await world.tier.store([(k(i), i) for i in range(4)], "spill")
+    await store(world.tier, [(k(i), i) for i in range(4)], "spill")
     path = world.files.files[0].path  # holds the even slots: keys 0 and 2
     damage_file(path, damage)
 
-    got = await world.tier.read([(k(i), HOST + i) for i in range(4)], "fill")
+    got = await read(world.tier, [(k(i), HOST + i) for i in range(4)], "fill")
 
     assert got == {k(1), k(3)}
     assert sorted(world.removed) == [k(0), k(2)]

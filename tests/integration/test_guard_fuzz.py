@@ -151,7 +151,7 @@ def exchange(path: str, chunks: list[bytes], nfds: int) -> None:
 
 
 @settings(
-    max_examples=1000,
+    max_examples=400,
     deadline=None,
     derandomize=True,
     database=None,

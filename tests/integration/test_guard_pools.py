@@ -6,14 +6,17 @@ Files here are the journal plus a few pages; nothing is mapped in loops.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -24,6 +27,7 @@ from kvcr.guard.pools import (
     JOURNAL_BYTES,
     GroupLayout,
     create_group_file,
+    group_file_path,
     map_group,
     parse_pool_sizes_gb,
     plan_group,
@@ -279,9 +283,7 @@ def test_forked_child_does_not_inherit_the_hold(group: pools.GroupFile) -> None:
 
         def child() -> int:
             # The child's copy of the lock fd is closed (not unlocked) right after fork.
-            if not group.closed or pools._live_files:
-                return 2
-            return 0
+            return 0 if group.closed else 2
 
         assert _fork_and_check(child) == 0
         # The parent still holds its lock after the child is gone.
@@ -295,37 +297,45 @@ def test_forked_child_does_not_inherit_the_hold(group: pools.GroupFile) -> None:
 def test_orphan_is_reclaimable_even_while_a_forked_child_lives(
     tmp_path: Path, small_layout: GroupLayout
 ) -> None:
-    """The whole point: a child outliving its parent's hold must not keep the file alive."""
-    g = create_group_file(tmp_path, 0, small_layout)
-    mapping = map_group(g.fd, small_layout)
+    """The whole point: a holder SIGKILLed while a child it forked lives on must not leave
+    the file held by that child."""
     r, w = os.pipe()
-    ready_r, ready_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(w)
-        os.write(ready_w, b"r")  # the at-fork hooks have run by now
-        os.read(r, 1)  # stay alive until the parent has checked
-        os._exit(0)
-    os.close(r)
-    os.close(ready_w)
+    holder = os.fork()
+    if holder == 0:  # the holder: creates and maps the group, forks, waits to be killed
+        code = 99
+        try:
+            g = create_group_file(tmp_path, 0, small_layout)
+            map_group(g.fd, small_layout)
+            if os.fork() == 0:
+                # The at-fork hooks have run by now: say so, then outlive the holder.
+                os.write(w, os.getpid().to_bytes(4, "little"))
+                time.sleep(60)  # killed by the test
+                os._exit(0)
+            time.sleep(60)
+        finally:
+            os._exit(code)
+    os.close(w)
+    child = 0
     try:
-        assert os.read(ready_r, 1) == b"r"
-        os.close(ready_r)
-        mapping.close()
-        # Simulate the holder dying without cleanup: close the fd, do not unlock.
-        os.close(g._fd)  # type: ignore[arg-type]
-        g._fd = None
+        child = int.from_bytes(os.read(r, 4), "little")
+        assert child > 0
+        os.kill(holder, signal.SIGKILL)
+        os.waitpid(holder, 0)
+
         reclaimed, kept = reclaim_orphans(tmp_path)
-        assert (reclaimed, kept) == ([g.path], [])
+
+        assert (reclaimed, kept) == ([group_file_path(tmp_path, 0)], [])
     finally:
-        os.write(w, b"x")
-        os.close(w)
-        os.waitpid(pid, 0)
+        os.close(r)
+        for pid in (holder, child):
+            if pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(holder, 0)
 
 
 # --- reclaim_orphans ------------------------------------------------------------------------
-
-
 HOLDER = """
 import fcntl, os, sys, time
 fd = os.open(sys.argv[1], os.O_RDONLY)

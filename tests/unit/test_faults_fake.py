@@ -111,7 +111,7 @@ class Ledger:
             if not lent[index]:
                 self.violations.append(f"{access} of engine element {index}: not lent")
             return
-        free = frozenset(self.runtime.index.pools[0]._free)
+        free = self.runtime.index.pools[0].free_slots
         owner = next((b for b in self.runtime.index.blocks.values() if b.slots[0] == index), None)
         if index in free:
             self.violations.append(f"{access} of free G2 slot {index}")

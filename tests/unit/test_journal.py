@@ -59,9 +59,9 @@ class Recording(Writer):
         self.phase += 1
         return super().flush()
 
-    def _store(self, offset: int, data: bytes) -> None:
+    def write_at(self, offset: int, data: bytes) -> None:
         self.stores.append((offset, bytes(data), self.phase))
-        super()._store(offset, data)
+        super().write_at(offset, data)
 
 
 def g2(*slots: int) -> Residency:

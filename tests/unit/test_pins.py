@@ -538,7 +538,7 @@ async def test_a_handle_is_never_released_again_after_success(autojump_clock, pi
     engine.release_answers = [False, RuntimeError("busy"), True, False]
 
     pins.release(Pin("h1", {K1: [REF]}))
-    await trio.sleep(100)
+    await trio.sleep(10)  # three asks a second apart, then silence
 
     assert [handle for _, handle in engine.release_calls] == ["h1"] * 3
     assert engine.released == ["h1"]
@@ -699,7 +699,7 @@ async def test_the_last_poll_after_a_cancellation_still_catches_a_result_already
         await pins.pin([K1])
     engine.respond(1, ("late", {K1: [REF]}))  # granted just as the caller gave up
 
-    await trio.sleep(100)
+    await trio.sleep(10)
 
     assert engine.released == ["late"]
 

@@ -415,12 +415,12 @@ class Writer:
         base = DATA_START + self._active * self.half + self._pos
         head = FRAME_HEAD.pack(FRAME_MAGIC, len(payload), self._epoch, self._seq)
         end = base + FRAME_HEAD.size + len(payload)
-        self._store(base, head)
-        self._store(base + FRAME_HEAD.size, payload)
+        self.write_at(base, head)
+        self.write_at(base + FRAME_HEAD.size, payload)
         crc = zlib.crc32(payload, zlib.crc32(head))
         # The crc goes last: a reader that sees it valid sees the whole frame (x86 keeps
         # store order; the crc would not match a frame missing any earlier store anyway).
-        self._store(end, CRC.pack(crc))
+        self.write_at(end, CRC.pack(crc))
         self._pos += need
         self._seq += 1
         return True
@@ -445,8 +445,10 @@ class Writer:
         fields = HEADER.pack(
             HEADER_MAGIC, VERSION, self._counter, self._epoch, active, 0, self.half
         )
-        self._store(off, fields + CRC.pack(zlib.crc32(fields)))
+        self.write_at(off, fields + CRC.pack(zlib.crc32(fields)))
         self._counter += 1
 
-    def _store(self, offset: int, data: bytes) -> None:
+    def write_at(self, offset: int, data: bytes) -> None:
+        """Every byte the writer publishes goes through here, in order (a test records the
+        stores to replay a crash after any prefix of them)."""
         self._buf[offset : offset + len(data)] = data

@@ -5,14 +5,19 @@ thread; the data moves through the file transport, one transfer per batch. A slo
 trusted only while its on-disk record names the key and the generation this tier wrote
 (:mod:`kvcr.g3.files`), checked after every read (before it, only that the file is still
 whole): a file deleted, truncated, replaced or zeroed under a running instance turns its
-keys into misses, never into wrong bytes. A slot's new record is written only once its data is on disk, and the
-journal (guard groups) has published the removal of the slot's previous key before the
-slot is rewritten: a crash mid-store leaves no record that could vouch for half a block,
-for no key a successor could look for there.
+keys into misses, never into wrong bytes. A slot's new record is written only once its
+data is on disk, and the journal (guard groups) has published the removal of the slot's
+previous key before the slot is rewritten: a crash mid-store leaves no record that could
+vouch for half a block, for no key a successor could look for there.
 
 Stores and reads are batches of hundreds of blocks, each a few microseconds of I/O: the
 bookkeeping is done a batch at a time (one eviction pass, one record write per run of
 slots, one commit) so that it stays a small share of the transfer.
+
+As with every transfer, the completion work (commit, unclaim, verify) runs when the
+transfer is terminal, whatever happened to whoever waits for it: an operation that times
+out stops waiting at its deadline, a spill stops waiting at ``abandon_timeout_ms`` and
+reports; the slots and host memory stay held until the transport says the copy is over.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ from kvcr.transport.base import TransportError
 from kvcr.types import BlockKey, CacheTier, QueryStatus
 
 FETCHABLE_G3 = (QueryStatus.FETCHABLE, CacheTier.G3)
-YIELD_S = 0.001  # the longest a G3 transfer polls without letting other tasks run
+# What runs once a G3 transfer is terminal: the transfer (None if nothing was posted), and
+# the keys it moved (stored, or read and still vouched for).
+Then = Callable[[Xfer | None, set[BlockKey]], None]
 
 
 class G3Tier:
@@ -75,13 +82,26 @@ class G3Tier:
 
     # -- store -------------------------------------------------------------------------------
 
-    async def store(self, items: Sequence[tuple[BlockKey, int]], what: str) -> set[BlockKey]:
-        """Copy host descriptors into G3 slots (``items``: key, descriptor index), evicting
-        G3 blocks by score for room. Returns the keys now committed in G3."""
+    def store(self, items: Sequence[tuple[BlockKey, int]], what: str, then: Then) -> Xfer | None:
+        """Start copying host descriptors into G3 slots (``items``: key, descriptor index),
+        evicting G3 blocks by score for room. ``then(xfer, stored)`` runs once the copy is
+        terminal, with the keys now committed in G3: until then the host descriptors are
+        read and the slots written. Returns the transfer still in flight, or None when
+        ``then`` has run already."""
         started = trio.current_time()
-        stored = await self._store([(k, d) for k, d in items if self.index.get(k) is None], what)
-        self._record(SCOPE_G3_STORE, started, len(stored), len(items))
-        return stored
+        wanted = len(items)
+        items = [(k, d) for k, d in items if self.index.get(k) is None]
+        items = items[: self._make_room(len(items))]
+        blocks = self.index.add_filling_batch([k for k, _ in items], started)
+        if self.journal is not None and blocks:
+            self.journal.flush()  # the evicted keys' removals, before their slots are rewritten
+
+        def finish(xfer: Xfer | None, ok: bool) -> None:
+            stored = self._commit_store(blocks, ok, what)
+            self._record(SCOPE_G3_STORE, started, len(stored), wanted)
+            then(xfer, stored)
+
+        return self._post("WRITE", [d for _, d in items], blocks, what, finish)
 
     def _record(self, scope: str, started: float, done: int, wanted: int) -> None:
         if self._telemetry is not None and wanted:
@@ -93,15 +113,10 @@ class G3Tier:
                 done * self.files.block,
             )
 
-    async def _store(self, items: list[tuple[BlockKey, int]], what: str) -> set[BlockKey]:
-        items = items[: self._make_room(len(items))]
-        if not items:
-            return set()
-        blocks = self.index.add_filling_batch([k for k, _ in items], trio.current_time())
-        if self.journal is not None:
-            self.journal.flush()  # the evicted keys' removals, before their slots are rewritten
-        xfer = await self._move("WRITE", [d for _, d in items], blocks, what)
-        done = [b for b in blocks if self.index.holds(b)] if xfer is not None and xfer.ok else []
+    def _commit_store(self, blocks: list[Block], ok: bool, what: str) -> set[BlockKey]:
+        """The write into ``blocks``' slots is over: vouch for and commit those it wrote,
+        forget the others."""
+        done = [b for b in blocks if self.index.holds(b)] if ok else []
         generation = self._next_generation
         try:
             self.files.vouch([b.slots[0] for b in done], [b.key for b in done], generation)
@@ -163,16 +178,42 @@ class G3Tier:
 
     # -- read --------------------------------------------------------------------------------
 
-    async def read(
-        self, items: Sequence[tuple[BlockKey, int]], what: str, scope: str = SCOPE_G3_FILL
-    ) -> set[BlockKey]:
-        """Copy G3 blocks into host descriptors (``items``: key, descriptor index). Returns
-        the keys whose bytes arrived and were still vouched for after the copy. ``scope``
-        labels its telemetry (``g3_fill`` into G2, ``g3_deliver`` into engine memory)."""
+    def read(
+        self,
+        items: Sequence[tuple[BlockKey, int]],
+        what: str,
+        then: Then,
+        scope: str = SCOPE_G3_FILL,
+    ) -> Xfer | None:
+        """Start copying G3 blocks into host descriptors (``items``: key, descriptor index).
+        ``then(xfer, got)`` runs once the copy is terminal, with the keys whose bytes arrived
+        and were still vouched for after the copy: until then the descriptors are written
+        and the blocks' slots stay claimed. Returns the transfer still in flight, or None
+        when ``then`` has run already. ``scope`` labels its telemetry (``g3_fill`` into
+        G2, ``g3_deliver`` into engine memory)."""
         started = trio.current_time()
-        got = await self._read(items, what)
-        self._record(scope, started, len(got), len(items))
-        return got
+        # Before the read, only what is cheap: READY blocks in files that can be read whole
+        # (a truncated file would fail the whole transfer). The records are checked once,
+        # after the read: that check is the one that vouches for the bytes.
+        get, ready, n = self.index.get, BlockState.READY, len(self.files.files)
+        found = [(b, d) for k, d in items if (b := get(k)) is not None and b.state is ready]
+        readable = self.files.readable(b.slots[0] for b, _ in found)
+        wanted = [(b, d) for b, d in found if b.slots[0] % n in readable]
+        if len(wanted) < len(found):
+            self._lose([b for b, _ in found if b.slots[0] % n not in readable])
+        blocks = [b for b, _ in wanted]
+        for block in blocks:
+            claim(self.index, block)
+
+        def finish(xfer: Xfer | None, ok: bool) -> None:
+            now = trio.current_time()
+            for block in blocks:
+                unclaim(self.index, block, self._score, now)
+            got = {b.key for b in self._verified(blocks)} if ok else set()
+            self._record(scope, started, len(got), len(items))
+            then(xfer, got)
+
+        return self._post("READ", [d for _, d in wanted], blocks, what, finish)
 
     def _verified(self, blocks: list[Block]) -> list[Block]:
         """Those of ``blocks`` (just read) still held that their files and records still
@@ -195,53 +236,28 @@ class G3Tier:
             self.index.remove(block)
         self._dropped([b.key for b in unclaimed])
 
-    async def _read(self, items: Sequence[tuple[BlockKey, int]], what: str) -> set[BlockKey]:
-        # Before the read, only what is cheap: READY blocks in files that can be read whole
-        # (a truncated file would fail the whole transfer). The records are checked once,
-        # after the read: that check is the one that vouches for the bytes.
-        get, ready, n = self.index.get, BlockState.READY, len(self.files.files)
-        found = [(b, d) for k, d in items if (b := get(k)) is not None and b.state is ready]
-        readable = self.files.readable(b.slots[0] for b, _ in found)
-        wanted = [(b, d) for b, d in found if b.slots[0] % n in readable]
-        if len(wanted) < len(found):
-            self._lose([b for b, _ in found if b.slots[0] % n not in readable])
-        if not wanted:
-            return set()
-        for block, _ in wanted:
-            claim(self.index, block)
-        try:
-            xfer = await self._move("READ", [d for _, d in wanted], [b for b, _ in wanted], what)
-        finally:
-            now = trio.current_time()
-            for block, _ in wanted:
-                unclaim(self.index, block, self._score, now)
-        if xfer is None or not xfer.ok:
-            return set()
-        return {b.key for b in self._verified([b for b, _ in wanted])}
-
-    async def _move(
-        self, op: str, descriptors: list[int], blocks: list[Block], what: str
+    def _post(
+        self,
+        op: str,
+        descriptors: list[int],
+        blocks: list[Block],
+        what: str,
+        finish: Callable[[Xfer | None, bool], None],
     ) -> Xfer | None:
+        """Post one transfer between ``descriptors`` and ``blocks``' slots; ``finish`` runs
+        once it is terminal (at once, not ok, when there is nothing to move or it could not
+        be posted). The tier's poller drives it (the file backends progress only while
+        polled): whoever waits for it may give up, the completion work still runs."""
+        if not blocks:
+            finish(None, False)
+            return None
         slots = self.files.positions([b.slots[0] for b in blocks])
         try:
             handle = self.transport.post(op, descriptors, slots, what)
         except TransportError as exc:
             self.log.warning("g3_transfer_failed", op=op, what=what, error=str(exc))
+            finish(None, False)
             return None
         nbytes = len(blocks) * self.files.block
-        xfer = self.transfers.track(handle, what, nbytes, lambda _x: None)
-        # The transfer reads or writes these slots until it is terminal, whatever happens
-        # to the caller: wait for it even when cancelled. NIXL's file backends do their
-        # work inside polls (64 descriptors a poll: ~0.5 ms for 64 KiB blocks), so poll back
-        # to back rather than on a timer (a 1 ms cadence would triple the time of a 16 MiB
-        # batch), and let the scheduler run the other tasks between polls once per
-        # millisecond (a pass costs tens of µs, more when the GIL changes hands).
-        with trio.CancelScope(shield=True):
-            turn = trio.current_time() + YIELD_S
-            while not xfer.done.is_set():
-                if trio.current_time() >= turn:
-                    await trio.lowlevel.checkpoint()
-                    turn = trio.current_time() + YIELD_S
-                self.transfers.poll_now(xfer)
-        await trio.lowlevel.checkpoint()
-        return xfer
+        xfer = self.transfers.track(handle, what, nbytes, lambda x: finish(x, x.ok))
+        return None if xfer.done.is_set() else xfer

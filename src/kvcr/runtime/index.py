@@ -53,6 +53,11 @@ class SlotPool:
     def used(self) -> int:
         return self.capacity - len(self._free)
 
+    @property
+    def free_slots(self) -> frozenset[int]:
+        """The free slots (a copy: O(capacity))."""
+        return frozenset(self._free)
+
     def take(self) -> int:
         return self._free.pop()
 

@@ -14,7 +14,7 @@ running, and its slots and claims must be held until it is not.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import trio
@@ -144,8 +144,15 @@ class LocalG2(Residency):
             op.failure = str(exc)
             self._settle_fill(op, blocks, False, no_evict)
             return
-        if not xfer.done.is_set():
-            op.xfers[xfer] = keys
+        await self._follow(op, xfer, keys)
+
+    @staticmethod
+    async def _follow(op: Operation, xfer: Xfer | None, keys: Iterable[BlockKey]) -> None:
+        """Wait for the operation's transfer (when still in flight), recorded as touching
+        ``keys``: the operation's deadline may end the wait, not the transfer, whose
+        completion work runs when it is terminal (and reports the abandoned memory)."""
+        if xfer is not None and not xfer.done.is_set():
+            op.xfers[xfer] = frozenset(keys)
             await xfer.done.wait()
 
     def _settle_fill(self, op: Operation, blocks: list[Block], ok: bool, no_evict: bool) -> None:
@@ -230,9 +237,7 @@ class LocalG2(Residency):
             op.failure = str(exc)
             self._settle_deliver(op, claimed, False)
             return
-        if not xfer.done.is_set():
-            op.xfers[xfer] = frozenset(b.key for b in claimed)
-            await xfer.done.wait()
+        await self._follow(op, xfer, [b.key for b in claimed])
 
     def _settle_deliver(self, op: Operation, claimed: list[Block], ok: bool) -> None:
         answers: dict[BlockKey, OpEntryResult] = {}
@@ -291,39 +296,45 @@ class LocalG2(Residency):
         """Read G3 blocks straight into the engine's destinations."""
         assert self.g3 is not None
         live = [k for k in keys if op.live(k)]
-        got = await self.g3.read(
-            [(k, destinations[k][0]) for k in live], f"deliver op {op.handle}", SCOPE_G3_DELIVER
-        )
-        answers = {k: SUCCESS if k in got else FAILED for k in live if op.live(k)}
-        if len(got) < len(live):
-            op.failure = op.failure or "deliver: some G3 blocks could not be read back"
-        self.outbox.answer(op, answers)  # bytes are counted under g3_deliver
+
+        def settle(xfer: Xfer | None, got: set[BlockKey]) -> None:
+            if xfer is not None:
+                self.outbox.xfer_terminal(op, xfer)
+            if len(got) < len(live):
+                op.failure = op.failure or "deliver: some G3 blocks could not be read back"
+            self.outbox.answer(op, {k: SUCCESS if k in got else FAILED for k in live})
+
+        items = [(k, destinations[k][0]) for k in live]
+        xfer = self.g3.read(items, f"deliver op {op.handle}", settle, SCOPE_G3_DELIVER)
+        await self._follow(op, xfer, live)  # bytes are counted under g3_deliver
 
     async def fetch_g3(self, op: Operation, keys: Sequence[BlockKey]) -> None:
         """Fill G2 slots from G3; each success is claimed like any fetch."""
         assert self.g3 is not None
         live = [k for k in keys if op.live(k) and self.index.get(k) is None]
         granted = await self.make_room(len(live), f"fetch op {op.handle}")
-        answers: dict[BlockKey, OpEntryResult] = dict.fromkeys(live[granted:], FAILED)
+        self.outbox.answer(op, dict.fromkeys(live[granted:], FAILED))
         blocks = self.index.add_filling_batch(live[:granted], trio.current_time())
-        base = self.memory.pool_base[0]
         for block in blocks:
             op.filling[block.key] = block
-        try:
-            got = await self.g3.read(
-                [(b.key, base + b.slots[0]) for b in blocks], f"fetch op {op.handle}"
-            )
-        finally:
+
+        def settle(xfer: Xfer | None, got: set[BlockKey]) -> None:
+            if xfer is not None:
+                self.outbox.xfer_terminal(op, xfer)
             for block in blocks:
                 op.filling.pop(block.key, None)
-        for block in blocks:
-            if not self.index.holds(block):  # withdrawn meanwhile; the read is over
-                self.index.release_slots(block)
-                fill_over(block)
-        answers.update(self.commit_fetched(op, blocks, got, CacheTier.G3))
-        if sum(1 for a in answers.values() if a.success) < len(live):
-            op.failure = op.failure or "fetch: some G3 blocks could not be read back"
-        self.outbox.answer(op, answers)  # bytes are counted under g3_fill
+                if not self.index.holds(block):  # withdrawn meanwhile; the read is over
+                    self.index.release_slots(block)
+                    fill_over(block)
+            answers = self.commit_fetched(op, blocks, got, CacheTier.G3)
+            if len(got) < len(live):
+                op.failure = op.failure or "fetch: some G3 blocks could not be read back"
+            self.outbox.answer(op, answers)
+
+        base = self.memory.pool_base[0]
+        items = [(b.key, base + b.slots[0]) for b in blocks]
+        xfer = self.g3.read(items, f"fetch op {op.handle}", settle)
+        await self._follow(op, xfer, [b.key for b in blocks])  # bytes: under g3_fill
 
     def commit_fetched(
         self, op: Operation, blocks: list[Block], arrived: set[BlockKey], source: CacheTier

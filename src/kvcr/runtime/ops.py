@@ -53,33 +53,54 @@ class Deadlines:
         )
 
 
+@attrs.frozen
+class Framework:
+    """The engine memory an operation's transfers touch (a deposit's sources, a deliver's
+    destinations): reported through ``TransferError`` if the operation fails while a
+    transfer may still touch it."""
+
+    sources: tuple[BlockKey, ...] = ()
+    destinations: tuple[MemoryRef, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.sources or self.destinations)
+
+
+@attrs.define
+class RemotePart:
+    """The keys an operation asks of the peer its request's hint names."""
+
+    keys: frozenset[BlockKey] = frozenset()
+    request: object = None  # the request whose hint sent them there
+    failed: bool = False  # the pull got nothing: the request's hint is reported failed
+    moved: int = 0  # keys the peer wrote
+
+
 @attrs.define(eq=False)
 class Operation:
+    """One engine call's work: its keys and answers (``pending``, ``ok_keys``, ``failure``),
+    its clock, and what its transfers hold (``xfers``, ``filling``, ``framework``). Its
+    transfers' own states are their tables' (``lifecycle.py``)."""
+
     handle: int
     kind: str  # "deposit" | "fetch" | "deliver"
     keys: list[BlockKey]
     pending: set[BlockKey]
     clock: Deadlines
+    framework: Framework = Framework()
+    # When the engine asked (telemetry): the clock restarts after a peer link's setup.
+    asked: float = attrs.field(
+        default=attrs.Factory(lambda self: self.clock.start, takes_self=True)
+    )
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     # In flight -> keys: local transfers, and pulls a peer may still write.
     xfers: dict[Xfer | RemotePull, frozenset[BlockKey]] = attrs.field(factory=dict)
-    # Framework memory the operation's transfers touch, reported if it fails mid-flight.
-    framework_sources: tuple[BlockKey, ...] = ()
-    framework_destinations: tuple[MemoryRef, ...] = ()
-    uncertain: bool = False
-    filling: dict[BlockKey, Block] = attrs.field(factory=dict)  # deposit: key -> its block
+    filling: dict[BlockKey, Block] = attrs.field(factory=dict)  # key -> the block it fills
+    uncertain: bool = False  # reported: a transfer may still touch ``framework``
+    remote: RemotePart = attrs.field(factory=RemotePart)
     moved: int = 0  # local keys whose bytes were transferred
-    moved_remote: int = 0  # keys a peer wrote
-    remote_keys: frozenset[BlockKey] = frozenset()  # keys asked of the hinted peer
-    remote_failed: bool = False  # a pull from the hinted peer got nothing
-    hint_request: object = None  # the request whose hint sent keys to a peer
     ok_keys: set[BlockKey] = attrs.field(factory=set)
     failure: str | None = None
-
-    started: float = attrs.field(init=False)  # when the engine asked (telemetry)
-
-    def __attrs_post_init__(self) -> None:
-        self.started = self.clock.start
 
     @property
     def deadline(self) -> float:
@@ -148,8 +169,7 @@ class Outbox:
             self.report(self._transfer_error(op, "quiesced"))
 
     def _report_uncertain(self, op: Operation) -> None:
-        touches_framework = op.framework_sources or op.framework_destinations
-        if op.uncertain or not touches_framework:
+        if op.uncertain or not op.framework:
             return
         op.uncertain = True
         self.report(self._transfer_error(op, "uncertain"))
@@ -161,14 +181,15 @@ class Outbox:
             f"{op.kind} op {op.handle}: {op.failure or 'failed'}; a transfer {verb} "
             "framework memory"
         )
+        sources, destinations = op.framework.sources, op.framework.destinations
         return TransferError(
             message,
             op.handle,
             state=state,
-            source_blocks=op.framework_sources or None,
-            source_owners=("framework",) if op.framework_sources else None,
-            destination_regions=op.framework_destinations or None,
-            destination_owner="framework" if op.framework_destinations else None,
+            source_blocks=sources or None,
+            source_owners=("framework",) if sources else None,
+            destination_regions=destinations or None,
+            destination_owner="framework" if destinations else None,
         )
 
 
@@ -179,18 +200,19 @@ REMOTE_SCOPES = {"deliver": "remote_deliver", "fetch": "remote_fetch"}
 def record(op: Operation, telemetry: Any, memory: Any, log: Any) -> None:
     """An ended operation's telemetry (local and remote parts apart), and its op_failed
     event when some of its keys failed."""
-    seconds = trio.current_time() - op.started
+    seconds = trio.current_time() - op.asked
     pools, per_key = len(memory.block_sizes), memory.bytes_per_key
-    local_keys = len(op.keys) - len(op.remote_keys)
-    if local_keys or not op.remote_keys:
-        ok = len(op.ok_keys - op.remote_keys)
+    remote_keys = op.remote.keys
+    local_keys = len(op.keys) - len(remote_keys)
+    if local_keys or not remote_keys:
+        ok = len(op.ok_keys - remote_keys)
         telemetry.operation(
             SCOPES[op.kind], seconds, ok, local_keys, op.moved * pools, op.moved * per_key
         )
-    if op.remote_keys:
-        ok, moved = len(op.ok_keys & op.remote_keys), op.moved_remote
+    if remote_keys:
+        ok, moved = len(op.ok_keys & remote_keys), op.remote.moved
         telemetry.operation(
-            REMOTE_SCOPES[op.kind], seconds, ok, len(op.remote_keys), moved * pools, moved * per_key
+            REMOTE_SCOPES[op.kind], seconds, ok, len(remote_keys), moved * pools, moved * per_key
         )
     if op.failure and len(op.ok_keys) < len(op.keys):
         log.info(

@@ -33,21 +33,19 @@ from typing import TYPE_CHECKING, Any, cast
 import attrs
 import trio
 
-from kvcr.runtime.index import BlockIndex
 from kvcr.runtime.lifecycle import PULL
 from kvcr.runtime.ops import Operation
+from kvcr.runtime.part import Part
 from kvcr.runtime.pins import Pins
 from kvcr.runtime.plane import Plane
 from kvcr.runtime.source import Source
 from kvcr.runtime.timer import FAST_WINDOW_S, poll_interval, sleeper
-from kvcr.runtime.transfers import Transfers
 from kvcr.transport import messages as m
-from kvcr.transport.base import Transport, TransportError
+from kvcr.transport.base import TransportError
 from kvcr.types import BlockKey
 
 if TYPE_CHECKING:
     from kvcr.runtime.build import Context, Shared
-    from kvcr.runtime.local import LocalG2
 
 RECEIVE_POLL_S = 0.002  # only for control channels without a file descriptor
 # A pull's data is due about when the source could have copied it at this rate; the
@@ -97,7 +95,7 @@ class RemotePull:
         return self.state == "turned_away"
 
 
-class Peers:
+class Peers(Part):
     """The destination side, and the loops that feed both sides: control messages in,
     NIXL progress and notifications."""
 
@@ -105,24 +103,19 @@ class Peers:
         self,
         context: Context,
         shared: Shared,
-        transport: Transport,
-        transfers: Transfers[Transport],
-        index: BlockIndex,
-        local: LocalG2 | None,
+        plane: Plane,
+        source: Source,
         pins: Pins,
     ) -> None:
-        self.plane = plane = Plane(context, transport)
-        self.config = context.config
-        self.memory = context.memory
+        super().__init__(context, shared)
+        self.plane = plane
+        transport = plane.transport
         self.retry_interval_s = context.remote.metadata_retry_interval_ms / 1000
-        self.telemetry = shared.telemetry
-        self.outbox = shared.outbox
-        self.log = context.log
         self.fine = bool(getattr(transport, "fine_timing", False))
         self.transport = transport
         self.pins = pins
         self.links: dict[str, Link] = {}
-        self.source = Source(context, shared, plane, transfers, index, local, pins)
+        self.source = source
         self._reqs = itertools.count(1)
 
     @property

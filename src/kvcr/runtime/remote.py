@@ -18,6 +18,7 @@ import trio
 from kvcr.runtime.index import BlockIndex
 from kvcr.runtime.local import LocalG2
 from kvcr.runtime.ops import DROPPED, FAILED, SUCCESS, Operation
+from kvcr.runtime.part import Part
 from kvcr.runtime.peers import Peers, RemotePull
 from kvcr.runtime.residency import fill_over
 from kvcr.transport.base import TransportError
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 _STORE = (PlacementAction.COPY_TO, CacheTier.LOCAL_G2)
 
 
-class Remote:
+class Remote(Part):
     def __init__(
         self,
         context: Context,
@@ -44,12 +45,10 @@ class Remote:
         local: LocalG2 | None,
         index: BlockIndex,
     ) -> None:
+        super().__init__(context, shared)
         self.peers = peers
         self.local = local
-        self.memory = context.memory
         self.index = index
-        self.outbox = shared.outbox
-        self.log = context.log
 
     async def _pull(
         self,
@@ -64,7 +63,7 @@ class Remote:
         receives the pull once it is on its way (then the source may write)."""
         # Anything but keys written (nothing, an error, the deadline while setting up or
         # waiting) is a failed remote operation: it marks the request's hint failed.
-        op.remote_failed = True
+        op.remote.failed = True
         for attempt in (1, 2):
             try:
                 pull = await self.peers.pull(op, endpoint, keys, dst)
@@ -86,7 +85,7 @@ class Remote:
                 break
             self.log.info("pull_resent", op=op.handle, endpoint=endpoint, reason=pull.reason)
         if pull.written:
-            op.remote_failed = False
+            op.remote.failed = False
         else:
             op.failure = op.failure or f"{op.kind}: the source had none of the keys ({pull.reason})"
         return pull
@@ -104,7 +103,7 @@ class Remote:
         pull = await self._pull(op, endpoint, keys, dst, [])
         written = {keys[i] for i in pull.written} if pull is not None else set()
         answers = {k: SUCCESS if k in written else FAILED for k in keys if k in pending}
-        op.moved_remote += sum(1 for a in answers.values() if a.success)
+        op.remote.moved += sum(1 for a in answers.values() if a.success)
         self._partial(op, answers)
         self.outbox.answer(op, answers)
 
@@ -175,6 +174,6 @@ class Remote:
         # Withdrawn blocks are left to free_withdrawn, which frees them once the source is over.
         written = {keys[i] for i in pull.written}
         answers = local.commit_fetched(op, blocks, written, CacheTier.REMOTE_G2)
-        op.moved_remote += sum(1 for a in answers.values() if a.success)
+        op.remote.moved += sum(1 for a in answers.values() if a.success)
         self._partial(op, answers)
         self.outbox.answer(op, answers)

@@ -19,6 +19,7 @@ import trio
 from kvcr.policy import HOOKS as POLICY_HOOKS
 from kvcr.policy import KVCachePolicy
 from kvcr.runtime.index import Block, BlockIndex, BlockState
+from kvcr.runtime.part import Part
 from kvcr.runtime.transfers import Transfers
 from kvcr.transport.base import Transport
 from kvcr.types import (
@@ -77,20 +78,19 @@ def fill_over(block: Block) -> None:
         block.waiters = None
 
 
-class Residency:
+class Residency(Part):
     def __init__(
         self, context: Context, shared: Shared, index: BlockIndex, transfers: Transfers[Transport]
     ) -> None:
-        self.memory = context.memory
+        super().__init__(context, shared)
         self.index = index
         self.transfers = transfers
-        self.outbox = shared.outbox
         self.policy = policy = context.policy
         self.live_handles = shared.live_handles
         self.release_ids = context.release_ids
         self.source_tier = context.source_tier
         self.callbacks = shared.calls
-        self.log = context.log
+        self.abandon_s = context.config.abandon_timeout_ms / 1000
         watermark_percent = context.config.capacity_low_watermark_percent
         self.handles: dict[int, BlockKey] = {}
         # Hooks the policy leaves as KVCachePolicy's defaults are not called: the default is
@@ -251,17 +251,44 @@ class Residency:
         return len(removed)
 
     async def _spill(self, blocks: list[Block]) -> None:
-        """Store evicted blocks in G3, then free their G2 slots; a failed store goes to the
-        policy's ``decide_recovery`` (the default drops the block)."""
+        """Store evicted blocks in G3; their G2 slots are freed once the store is over
+        (:meth:`_spilled_over`). Waiting for room stops at ``abandon_timeout_ms``: a store
+        still running then is reported, and its blocks stay claimed until it ends."""
         assert self.g3 is not None
         base = self.memory.pool_base[0]  # G3 needs exactly one pool
+        items = [(b.key, base + b.slots[0]) for b in blocks]
+        over = False
+
+        def settle(_xfer: object, stored: set[BlockKey]) -> None:
+            nonlocal over
+            over = True
+            self._spilled_over(blocks, stored)
+
         try:
-            stored = await self.g3.store([(b.key, base + b.slots[0]) for b in blocks], "spill")
+            xfer = self.g3.store(items, "spill", settle)
+            if xfer is not None:
+                with trio.move_on_after(self.abandon_s):
+                    await xfer.done.wait()
+                if not xfer.done.is_set():
+                    self.log.warning(
+                        "transfer_abandoned",
+                        what="spill",
+                        blocks=len(blocks),
+                        reason="still in flight past abandon_timeout_ms; its memory stays held",
+                    )
         except Exception as exc:  # a bug must not leak the claims
             self.log.exception("spill_failed", error=repr(exc))
-            stored = set()
+            if not over:
+                self._spilled_over(blocks, set())
         finally:
             self._spilling -= len(blocks)
+            self._spilled.set()
+            self._spilled = trio.Event()
+
+    def _spilled_over(self, blocks: list[Block], stored: set[BlockKey]) -> None:
+        """The spill of ``blocks`` is over (``stored``: the keys now in G3): their G2 claims
+        end; a failed store goes to the policy's ``decide_recovery`` (the default drops the
+        block)."""
         removed: list[BlockKey] = []
         for block in blocks:
             block.claims -= 1
@@ -287,8 +314,6 @@ class Residency:
             self.callbacks.inventory(InventoryEvent(tuple(stored), CacheTier.G3, False))
         if removed:
             self.callbacks.inventory(InventoryEvent(tuple(removed), CacheTier.LOCAL_G2, True))
-        self._spilled.set()
-        self._spilled = trio.Event()
 
     # -- waiting for fills in progress ---------------------------------------------------------
 

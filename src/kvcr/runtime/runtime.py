@@ -47,10 +47,13 @@ from kvcr.runtime.g3 import G3Tier
 from kvcr.runtime.index import BlockIndex, SlotPool
 from kvcr.runtime.local import LocalG2
 from kvcr.runtime.mirror import Mirror, recover
-from kvcr.runtime.ops import FAILED, Deadlines, Operation, record
+from kvcr.runtime.ops import FAILED, Deadlines, Framework, Operation, RemotePart, record
+from kvcr.runtime.part import Part
 from kvcr.runtime.peers import Peers, RemotePull
 from kvcr.runtime.pins import Pins
+from kvcr.runtime.plane import Plane
 from kvcr.runtime.remote import Remote
+from kvcr.runtime.source import Source
 from kvcr.runtime.transfers import Transfers, Xfer
 from kvcr.transport.base import Transport
 from kvcr.types import BlockKey, CacheTier, InventoryEvent
@@ -68,7 +71,7 @@ async def _await(coroutine: Any) -> None:
 _LEAKED: list[object] = []
 
 
-class Runtime:
+class Runtime(Part):
     """Built by :func:`kvcr.runtime.build.build`; runs as ``serve``."""
 
     def __init__(
@@ -80,13 +83,7 @@ class Runtime:
         *,
         has_pools: bool,
     ) -> None:
-        self.context = context
-        self.shared = shared
-        self.config = context.config
-        self.memory = context.memory
-        self.log = context.log
-        self.telemetry = shared.telemetry
-        self.outbox = shared.outbox
+        super().__init__(context, shared)
         self.has_pools = has_pools
         self.g3: G3Tier | None = None
         self.g3_view: dict[BlockKey, Any] = {}  # published for query, like index.view
@@ -134,9 +131,13 @@ class Runtime:
 
     async def _blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run NIXL's (or a file's) blocking set-up or teardown: off the loop when the loop
-        is shared (the guard service's), else right here on the runtime's own thread, so
-        that one thread creates, uses and closes the agent (UCX workers are single-thread
-        by default)."""
+        is shared (the guard service's), else right here on the runtime's own thread.
+
+        Off the loop, the agent is created and closed on a worker thread and used on the
+        loop's: NIXL's UCX backend without a progress thread creates its workers
+        ``UCS_THREAD_MODE_SERIALIZED`` (any thread, one call at a time, not SINGLE), and
+        these calls never overlap: set-up ends before the pollers start, teardown begins
+        after they stopped, and G3 has an agent of its own."""
         if self.context.offload_blocking:
             return await trio.to_thread.run_sync(fn, *args)
         return fn(*args)
@@ -231,7 +232,7 @@ class Runtime:
             return files, transport
 
         files, transport = await self._blocking(open_files)
-        transfers = Transfers(transport, self.log, fine)
+        transfers = Transfers(transport, self.log, fine, busy=True)
         root.start_soon(transfers.run)
         self.g3 = G3Tier(
             files=files,
@@ -285,9 +286,11 @@ class Runtime:
         if callable(initialize):
             initialize()  # idempotent on ZmqPeerControlChannel; binds if the adapter did not
         assert self.transfers is not None
-        self.peers = Peers(
-            self.context, self.shared, transport, self.transfers, self.index, self.local, pins
+        plane = Plane(self.context, transport)
+        source = Source(
+            self.context, self.shared, plane, self.transfers, self.index, self.local, pins
         )
+        self.peers = Peers(self.context, self.shared, plane, source, pins)
         self.remote = Remote(self.context, self.shared, self.peers, self.local, self.index)
         await nursery.start(self.peers.run)
 
@@ -345,16 +348,19 @@ class Runtime:
             self.outbox.answer_empty(handle)
             return
         kind = type(command).__name__.lower()
-        op = Operation(handle, kind, keys, pending, Deadlines.starting(now, self.config))
+        framework = Framework()
+        if isinstance(command, Deposit):
+            framework = Framework(sources=tuple(keys))
+        elif isinstance(command, Deliver):
+            framework = Framework(destinations=command.refs)
+        op = Operation(handle, kind, keys, pending, Deadlines.starting(now, self.config), framework)
         body: Any
         if isinstance(command, Deposit):
-            op.framework_sources = tuple(keys)
             if self.local is None:
                 self.outbox.fail_pending(op, "deposit: this instance has no local DRAM pools")
                 return
             body = self.local.deposit(op, command.sources, command.no_evict, command.hints)
         elif isinstance(command, Deliver):
-            op.framework_destinations = command.refs
             body = self._read(op, command.destinations, command.remote)
         else:
             body = self._read(op, None, command.remote)
@@ -374,9 +380,8 @@ class Runtime:
         if remote is not None and self.remote is not None:
             held = set(resident).union(g3_keys)
             remote_keys = [k for k in op.keys if k not in held and k in remote.keys]
-        op.remote_keys = frozenset(remote_keys)
         if remote_keys and remote is not None:
-            op.hint_request = remote.request
+            op.remote = RemotePart(frozenset(remote_keys), remote.request)
         missing = set(op.keys).difference(resident, remote_keys, g3_keys)
         if missing:
             op.failure = f"{op.kind}: {len(missing)} keys are neither local nor covered by a hint"
@@ -424,8 +429,8 @@ class Runtime:
             if self.local is not None:
                 self.local.withdraw(op, list(op.pending))
             self.outbox.fail_pending(op, op.failure or reason or f"{op.kind}: failed")
-            if op.remote_failed and op.remote_keys:
-                self.outbox.failed_hints.append(op.hint_request)
+            if op.remote.failed and op.remote.keys:
+                self.outbox.failed_hints.append(op.remote.request)
             self.ops.pop(op.handle, None)
             record(op, self.telemetry, self.memory, self.log)
             # In the root nursery: it must keep watching (and probing peers) while the

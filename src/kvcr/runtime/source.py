@@ -32,6 +32,7 @@ import trio
 from kvcr.runtime.index import Block, BlockIndex, BlockState
 from kvcr.runtime.lifecycle import JOB, WRITING, wire_state
 from kvcr.runtime.ops import Deadlines
+from kvcr.runtime.part import Part
 from kvcr.runtime.pins import Pin, Pins
 from kvcr.runtime.transfers import Xfer
 from kvcr.transport import messages as m
@@ -116,7 +117,7 @@ class SourceJob:
         return self.state
 
 
-class Source:
+class Source(Part):
     def __init__(
         self,
         context: Context,
@@ -127,18 +128,14 @@ class Source:
         local: LocalG2 | None,
         pins: Pins,
     ) -> None:
+        super().__init__(context, shared)
         self.plane = plane
         self.transport = plane.transport
         self.transfers = transfers
-        self.memory = context.memory
         self.index = index
         self.local = local
         self.pins = pins
-        self.outbox = shared.outbox
-        self.config = context.config
-        self.telemetry = shared.telemetry
         self.op_ids = context.op_ids
-        self.log = context.log
         self.agents_by_incarnation: dict[int, str] = {}  # destinations we have metadata of
         self.jobs: dict[tuple[int, int], SourceJob] = {}  # (dst incarnation, req) -> job
         self.seen = SeenPulls()
