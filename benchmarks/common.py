@@ -17,9 +17,11 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 import argparse
 import json
+import mmap
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -78,6 +80,8 @@ class Row:
                 "unit": self.unit,
                 "baseline": None if self.baseline is None else round(self.baseline, 4),
                 "ratio": None if ratio is None else round(ratio, 4),
+                "target": self.target,
+                "ok": self.ok,
             }
         )
 
@@ -163,11 +167,72 @@ def report(
 
 
 def arguments(description: str, quick_help: str, argv: Sequence[str] | None) -> argparse.Namespace:
-    """``--quick`` and ``--json-only``."""
+    """``--quick``, ``--json-only`` and ``--runs N``."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help=quick_help)
     parser.add_argument("--json-only", action="store_true", help="print only the JSON lines")
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="full runs in fresh processes, reported as median and spread (default 1)",
+    )
     return parser.parse_args(argv)
+
+
+def repeated(script: str, args: argparse.Namespace, title: str) -> int:
+    """Run ``script`` ``args.runs`` times, each in a fresh process, and report every row as
+    the median of its runs with their spread (min-max); a target holds only if it held in
+    every run. Prints a table (unless ``--json-only``) and one JSON line per row with
+    ``runs``, ``min`` and ``max`` added."""
+    started = time.monotonic()
+    runs: list[list[dict[str, Any]]] = []
+    for run in range(args.runs):
+        log(f"run {run + 1}/{args.runs}", args.json_only)
+        command = [sys.executable, script, "--json-only", *(["--quick"] if args.quick else [])]
+        out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+        runs.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
+    merged: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for rows in runs:
+        for row in rows:
+            merged.setdefault((row["bench"], row["case"]), []).append(row)
+    table: list[Row] = []
+    spreads: list[str] = []
+    for (bench, case), samples in merged.items():
+        values = [r["value"] for r in samples]
+        bases = [r["baseline"] for r in samples if r["baseline"] is not None]
+        oks = [r["ok"] for r in samples]
+        ok = None if all(o is None for o in oks) else all(o is True for o in oks)
+        ratios = [r["ratio"] for r in samples if r["ratio"] is not None]
+        row = Row(
+            bench,
+            case,
+            statistics.median(values),
+            samples[0]["unit"],
+            statistics.median(bases) if bases else None,
+            samples[0]["target"],
+            ok if len(samples) == args.runs else False,
+        )
+        table.append(row)
+        spread = f"{min(values):.3g}-{max(values):.3g}"
+        if ratios:
+            spread += f" (ratio {min(ratios):.3g}-{max(ratios):.3g})"
+        spreads.append(spread)
+    elapsed = time.monotonic() - started
+    if not args.json_only:
+        print_table(table, f"{title}: median of {args.runs} runs ({elapsed:.0f} s)")
+        print("spread (min-max over the runs) per row:")
+        for row, spread in zip(table, spreads):
+            print(f"  {row.bench} {row.case}: {spread}")
+        missed = [r for r in table if r.ok is False]
+        print(f"targets: {sum(r.ok is True for r in table)} PASS (every run), {len(missed)} MISS")
+        print()
+    for row, samples in zip(table, merged.values()):
+        line = json.loads(row.as_json())
+        values = [r["value"] for r in samples]
+        line.update(runs=len(samples), min=min(values), max=max(values))
+        print(json.dumps(line))
+    return 0
 
 
 _STARTED = time.monotonic()
@@ -186,6 +251,32 @@ def touched(nbytes: int, fill: int = 0) -> np.ndarray:
     buf = np.empty(nbytes, dtype=np.uint8)
     buf.fill(fill)
     return buf
+
+
+def shared_pages(nbytes: int, fill: int = 0) -> np.ndarray:
+    """Memory as engines give it to kvcr: a shared mapping (vLLM's secondary pool, the
+    guard's /dev/shm pools), so 4 KiB pages (no transparent huge pages for shared memory
+    here), all faulted in. The mapping lives as long as the array."""
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+    buf = np.frombuffer(mapping, dtype=np.uint8)
+    buf.fill(fill)
+    return buf
+
+
+def page_kind(buf: np.ndarray) -> str:
+    """What backs ``buf``: "thp" if any of it is in transparent huge pages, else "4KiB"."""
+    start = buf.ctypes.data
+    end = start + buf.nbytes
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split(None, 1)[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo < end and start < hi
+            elif inside and head == "AnonHugePages:" and int(line.split()[1]) > 0:
+                return "thp"
+    return "4KiB"
 
 
 def randomized(nbytes: int, seed: int) -> np.ndarray:

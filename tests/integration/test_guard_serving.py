@@ -1,7 +1,8 @@
 """The guard service serves a dead worker's group inside its own trio loop: the group's
 runtime is a task of the supervisor nursery, so serving starts no thread but trio's
-``to_thread`` workers and no ``trio.run`` but the service's own, and handing the group back
-cancels that task (the service run in this process, the workers in their own)."""
+``to_thread`` workers and the copy threads of the group's transport, and no ``trio.run``
+but the service's own; handing the group back cancels that task (the service run in this
+process, the workers in their own)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from guard_world import BLOCK
 from kvcr.guard.client import KVCRClient
 from kvcr.guard.service import GuardService, ServiceConfig
 from kvcr.logs import capture_events, get_logger
+from kvcr.transport.copier import copy_threads
 from procs import SourceWorker, free_port
 
 pytestmark = pytest.mark.integration
@@ -31,6 +33,10 @@ def other_threads() -> list[str]:
         for t in threading.enumerate()
         if t is not threading.main_thread() and not t.name.startswith("Trio thread")
     )
+
+
+def copying_threads() -> list[str]:
+    return [name for name in other_threads() if name.startswith("kvcr-copy-")]
 
 
 async def states(client: KVCRClient) -> list[str]:
@@ -70,8 +76,11 @@ async def test_a_served_group_runs_in_the_services_loop_and_is_cancelled_at_hand
                 await trio.to_thread.run_sync(first.kill)
                 await wait_state(client, 0, "serving")
 
-                # Serving: the runtime's tasks run in this loop; nothing else was started.
-                assert other_threads() == before
+                # Serving: the runtime's tasks run in this loop; nothing else was started
+                # but the copy threads of its transport.
+                copiers = copying_threads()
+                assert len(copiers) == copy_threads()
+                assert sorted(set(other_threads()) - set(copiers)) == before
                 assert runs == []
 
                 heir = await trio.to_thread.run_sync(

@@ -11,6 +11,7 @@ from kvcr import KVCR
 from kvcr.config import KVCRBackendConfigs, LocalDramOptions
 from kvcr.policy import G3FIFOPolicy, G3LRUPolicy, LRUPolicy
 from kvcr.transport.base import TransportError
+from kvcr.transport.copier import copy_threads
 
 pytestmark = pytest.mark.integration
 
@@ -19,10 +20,11 @@ def kvcr_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("kvcr-")]
 
 
-def test_one_runtime_thread_per_instance_gone_after_close() -> None:
+def test_one_runtime_thread_and_its_copy_threads_per_instance_gone_after_close() -> None:
     engine = EngineSim(name="lifecycle-threads")
     kv = KVCR(engine.config, Recorder().bindings(), engine.backend_configs)
-    assert kvcr_threads() == ["kvcr-lifecycle-threads"]
+    copies = [f"kvcr-copy-{i}-lifecycle-threads" for i in range(copy_threads())]
+    assert sorted(kvcr_threads()) == sorted(["kvcr-lifecycle-threads", *copies])
     kv.close()
     assert kvcr_threads() == []
 

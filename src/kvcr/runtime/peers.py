@@ -174,7 +174,7 @@ class Peers(Part):
         pulls are pending (every 0.2 ms for the first 10 ms, then every millisecond), and
         every 100 ms while peers are merely connected (connection setup needs both sides to
         make progress), and not at all with no peers."""
-        sleep, close = sleeper(self.fine)
+        timer = sleeper(self.fine)
         try:
             busy_since: float | None = None
             while True:
@@ -195,10 +195,10 @@ class Peers(Part):
                         (p.due for link in self.links.values() for p in link.pulls.values()),
                         default=0.0,
                     )
-                    await sleep(poll_interval(now, busy_since, due))
+                    await timer.sleep(poll_interval(now, busy_since, due))
                 self._poll_notifications()
         finally:
-            close()
+            timer.close()
 
     def _poll_notifications(self) -> None:
         try:

@@ -71,6 +71,15 @@ class FineTimer:
         await trio.lowlevel.wait_readable(self._fd)
         _read(self._fd, ctypes.byref(self._buf), 8)
 
+    def wake(self) -> None:
+        """End the current sleep now (from the task's own trio thread). A wake while not
+        sleeping is forgotten: the next sleep re-arms the timer, which clears it."""
+        if self._fd < 0:
+            return
+        wake = _Itimerspec()
+        wake.it_value.tv_nsec = 1  # zero would disarm it
+        _settime(self._fd, 0, ctypes.byref(wake), None)
+
     def close(self) -> None:
         fd, self._fd = self._fd, -1
         if fd >= 0:
@@ -78,13 +87,22 @@ class FineTimer:
             os.close(fd)
 
 
-def sleeper(fine: bool) -> tuple[Sleep, Callable[[], None]]:
-    """A sleep function for one task, and how to free it: a timerfd for the real
+class TrioSleep:
+    """trio's own sleep, for MockClock tests; a wake is not needed there."""
+
+    sleep = staticmethod(trio.sleep)
+
+    def wake(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def sleeper(fine: bool) -> FineTimer | TrioSleep:
+    """A sleep for one task (``sleep``, ``wake``, ``close``): a timerfd for the real
     transport, trio's own sleep otherwise (MockClock tests)."""
-    if not fine:
-        return trio.sleep, lambda: None
-    timer = FineTimer()
-    return timer.sleep, timer.close
+    return FineTimer() if fine else TrioSleep()
 
 
 # How often the runtime polls NIXL while something is in flight: fast (every 0.2 ms) while

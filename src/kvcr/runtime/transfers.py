@@ -11,7 +11,8 @@ Polling: NIXL runs without its spinning progress thread, so the poller calls int
 milliseconds), then every millisecond, and not at all when nothing is in flight (idle
 costs no CPU). A peer write becomes DONE, and its
 notification leaves, only when the source polls it after the destination called into
-NIXL, so a slower poll here is latency added to every peer transfer.
+NIXL, so a slower poll here is latency added to every peer transfer. Local copies run on
+copy threads (``transport/copier.py``), and each one that ends wakes the poller at once.
 
 NIXL's file backends do their work inside polls (64 descriptors a poll: ~0.5 ms for 64 KiB
 blocks), so the G3 tier's poller is ``busy``: it polls back to back while something is in
@@ -152,7 +153,13 @@ class Transfers(Generic[_T]):
         await self._idle.wait()
 
     async def run(self) -> None:
-        sleep, close = sleeper(self._fine)
+        timer = sleeper(self._fine)
+        notify = getattr(self.transport, "notify_local_done", None)
+        if notify is not None:
+            # Local copies end on copy threads: each one that does wakes this poller at
+            # once instead of at its next poll.
+            token = trio.lowlevel.current_trio_token()
+            notify(lambda: token.run_sync_soon(timer.wake))
         try:
             while True:
                 if not self._in_flight:
@@ -163,8 +170,8 @@ class Transfers(Generic[_T]):
                     if self._busy:
                         await self._poll_back_to_back()
                         continue
-                    await sleep(poll_interval(trio.current_time(), busy_since))
+                    await timer.sleep(poll_interval(trio.current_time(), busy_since))
                     for xfer in list(self._in_flight):
                         self._check(xfer)
         finally:
-            close()
+            timer.close()

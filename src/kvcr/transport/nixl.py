@@ -1,9 +1,11 @@
-"""NIXL transport for host memory and peers (G3 files: nixl_files.py; nixl is imported only there and here).
+"""NIXL transport for peers, with native copies in the process (G3 files: nixl_files.py;
+nixl is imported only there and here).
 
 The agent runs without NIXL's progress thread (it spins a full core per agent, see
 nixl-on-cpu.md); the runtime polls transfers instead, often while any is in flight and not
-at all when idle. Local copies are loopback READs: the destination is the initiator's local
-side, which measured ~1.4x faster than WRITE for the same descriptors on these machines.
+at all when idle. Local copies do not go through NIXL: a loopback transfer is CMA, which
+pins and walks every page (on 4 KiB pages, ~0.5x memcpy); they are ``memmove``\\ s on copy
+threads (copier.py), polled like any transfer.
 
 Peer writes (destination-initiated, the source writes): the destination hands its
 ``metadata()`` to the source over the control channel; the source ``add_peer``\\ s it and
@@ -28,12 +30,13 @@ UCX between two processes on one host (NIXL 1.5.1):
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from kvcr.transport.base import Segment, TransportError, XferState
+from kvcr.transport.copier import Copier, CopyJob, copy_threads
 
 try:
     from nixl_cu13._api import nixl_agent, nixl_agent_config
@@ -99,8 +102,9 @@ class NixlTransport:
     #: Poll with sub-millisecond timers (see runtime/timer.py).
     fine_timing = True
 
-    def __init__(self, agent_name: str, backend: str = "UCX") -> None:
+    def __init__(self, agent_name: str, backend: str = "UCX", copiers: int | None = None) -> None:
         self.agent_name = agent_name
+        self._copier = Copier(agent_name, copy_threads() if copiers is None else copiers)
         self._agent: Any = nixl_agent(
             agent_name, nixl_agent_config(enable_prog_thread=False, backends=[])
         )
@@ -112,7 +116,6 @@ class NixlTransport:
             ) from exc
         self._registrations: list[Any] = []
         self._local: Any = None
-        self._loopback: Any = None
         self._count = 0
         self._sizes: np.ndarray = np.zeros(0, dtype=np.int64)
         self._peers: dict[str, bytes] = {}  # agent name -> the metadata loaded for it
@@ -146,16 +149,15 @@ class NixlTransport:
         self._count = len(descs)
         self._sizes = descs[:, 1].copy()
         self._local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, "DRAM")
-        self._loopback = self._agent.prep_xfer_dlist(self.agent_name, descs, "DRAM")
+        self._copier.open(segments)
 
-    def post_local_read(self, dst: Sequence[int], src: Sequence[int], what: str) -> NixlXfer:
-        try:
-            handle = self._agent.make_prepped_xfer(
-                "READ", self._local, list(dst), self._loopback, list(src)
-            )
-        except Exception as exc:
-            raise TransportError(f"{what}: NIXL refused the transfer: {exc}") from exc
-        return self._post(NixlXfer(handle, what, None, None))
+    def post_local_read(self, dst: Sequence[int], src: Sequence[int], what: str) -> CopyJob:
+        """A copy inside this process: native, on the copy threads (see copier.py)."""
+        return self._copier.post(dst, src, what)
+
+    def notify_local_done(self, callback: Callable[[], None]) -> None:
+        """``callback`` runs on a copy thread whenever a local copy becomes terminal."""
+        self._copier.notify_done(callback)
 
     # -- peers -----------------------------------------------------------------------------
 
@@ -316,9 +318,12 @@ class NixlTransport:
         xfer.done = state == "DONE"
         return xfer
 
-    def poll(self, xfer: NixlXfer) -> XferState:
+    def poll(self, xfer: NixlXfer | CopyJob) -> XferState:
         """The transfer's state. Raises TransportError when NIXL reports it failed with a
         reason (the peer died or was removed): it is then over, as with ERR; release it."""
+        if type(xfer) is CopyJob:
+            return xfer.state
+        assert isinstance(xfer, NixlXfer)
         if xfer.done:  # every call into NIXL is a GIL hand-over (~15 µs next to a busy engine)
             return XferState.DONE
         try:
@@ -326,10 +331,14 @@ class NixlTransport:
         except Exception as exc:
             raise TransportError(self._failed(xfer, "the transfer failed", exc)) from exc
 
-    def release(self, xfer: NixlXfer) -> None:
+    def release(self, xfer: NixlXfer | CopyJob) -> None:
         """Free the handle. On a transfer that is still PROC this cancels it (the peer gets
         no notification; some of the data may have been written); if NIXL cannot cancel
         it, this raises TransportError and the transfer stays in flight."""
+        if type(xfer) is CopyJob:
+            self._copier.release(xfer)
+            return
+        assert isinstance(xfer, NixlXfer)
         try:
             self._agent.release_xfer_handle(xfer.handle)
         except Exception as exc:
@@ -350,13 +359,13 @@ class NixlTransport:
         return f"{xfer.what}{where}: {what_happened}{reason}"
 
     def close(self) -> None:
+        self._copier.close()
         for agent in list(self._peers):
             with contextlib.suppress(TransportError):
                 self.remove_peer(agent)
-        for handle in (self._local, self._loopback):
-            if handle is not None:
-                handle.release()
-        self._local = self._loopback = None
+        if self._local is not None:
+            self._local.release()
+        self._local = None
         while self._registrations:
             self._agent.deregister_memory(self._registrations.pop())
         self._agent = None

@@ -1,0 +1,221 @@
+"""In-process copies: ``memmove`` of descriptor pairs on copy threads, off the GIL.
+
+A NIXL loopback transfer does its copy with CMA (``process_vm_readv`` on our own pid):
+the kernel pins and walks every page of both sides. On the 4 KiB pages that shared
+mappings have (the adapter's secondary pool, the guard's ``/dev/shm`` pools: no
+transparent huge pages for shared memory), about a quarter of the copy's CPU went to the
+page walk, and the copy ran at ~0.5x memcpy. A plain ``memmove`` pays none of it.
+
+A copy is posted on the runtime thread, which turns its descriptor pairs into address runs
+(adjacent descriptors on both sides merge into one run) and, above ``INLINE_BYTES``, cuts
+them into about equal chunks, one per copy thread; each chunk is a list of ``memmove``
+calls (``ctypes`` releases the GIL for each), so the copy never runs on the runtime or the
+engine thread. Small copies are done inline in ``post``: queueing them would cost more
+than the copy.
+
+Memory safety is the transports': a copy is terminal (``poll`` says DONE or ERR) only
+once no thread touches its memory any more. ``release`` of a copy in flight cancels the
+chunks not started yet; if a chunk is running, it raises ``TransportError`` and the copy
+stays in flight until that chunk is over (a ``memmove`` cannot be interrupted), which is
+what ``Transfers.cancel`` expects of a transfer that could not be cancelled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import queue
+import threading
+from collections.abc import Callable, Sequence
+
+from kvcr.transport.base import Segment, TransportError, XferState
+
+INLINE_BYTES = 256 * 1024  # copied in post, on the caller's thread (GIL released)
+CHUNK_BYTES = 1024 * 1024  # the least a copy thread is given
+_memmove = ctypes.memmove  # a CFUNCTYPE: the GIL is released for the call
+
+
+def copy_threads() -> int:
+    """``KVCR_COPY_THREADS`` (default 2, at most the CPUs this process may run on)."""
+    raw = os.environ.get("KVCR_COPY_THREADS", "")
+    cpus = len(os.sched_getaffinity(0))
+    if not raw:
+        return max(1, min(2, cpus))
+    try:
+        threads = int(raw)
+    except ValueError:
+        threads = 0
+    if not 1 <= threads <= 64:
+        raise ValueError(f"KVCR_COPY_THREADS must be an integer from 1 to 64, got {raw!r}")
+    return threads
+
+
+Run = tuple[int, int, int]  # destination address, source address, bytes
+
+
+class CopyJob:
+    """A posted copy. ``state`` is written by the copy threads; ``poll`` reads it."""
+
+    __slots__ = ("_left", "_lock", "cancelled", "error", "running", "state", "what")
+
+    def __init__(self, what: str, chunks: int) -> None:
+        self.what = what
+        self.state = XferState.PROC if chunks else XferState.DONE
+        self.error = ""
+        self.cancelled = False
+        self.running = 0  # chunks a thread is copying right now
+        self._left = chunks
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"CopyJob({self.what!r}, {self.state.value})"
+
+    def begin(self) -> bool:
+        """A thread takes a chunk: False if the copy was cancelled meanwhile."""
+        with self._lock:
+            if self.cancelled:
+                return False
+            self.running += 1
+            return True
+
+    def end(self, ran: bool, error: str = "") -> bool:
+        """A chunk is over (``ran``: it was copied, not skipped). True if it was the last."""
+        with self._lock:
+            if ran:
+                self.running -= 1
+            self.error = self.error or error
+            self._left -= 1
+            if self._left:
+                return False
+            failed = self.cancelled or self.error
+            self.state = XferState.ERR if failed else XferState.DONE
+            return True
+
+    def cancel(self) -> bool:
+        """Skip the chunks not started; True if no chunk is running (nothing touches the
+        memory once the chunks already queued have been skipped)."""
+        with self._lock:
+            self.cancelled = True
+            self.error = self.error or "cancelled: still running at abandon_timeout_ms"
+            return self.running == 0
+
+
+class Copier:
+    """Copy threads over the segments given to :meth:`open` (descriptors numbered in
+    segment order, as the runtime numbers them)."""
+
+    def __init__(self, name: str, threads: int) -> None:
+        self._name = name
+        self._threads_wanted = threads
+        self._threads: list[threading.Thread] = []
+        self._chunks: queue.SimpleQueue[tuple[CopyJob, list[Run]] | None] = queue.SimpleQueue()
+        self._addrs: list[int] = []
+        self._sizes: list[int] = []
+        self._on_done: Callable[[], None] | None = None
+
+    def open(self, segments: Sequence[Segment]) -> None:
+        for seg in segments:
+            self._addrs.extend(range(seg.addr, seg.addr + seg.count * seg.pitch, seg.pitch))
+            self._sizes.extend([seg.element_size] * seg.count)
+        for i in range(self._threads_wanted):
+            thread = threading.Thread(
+                target=self._work, name=f"kvcr-copy-{i}-{self._name}", daemon=True
+            )
+            thread.start()
+            self._threads.append(thread)
+
+    def notify_done(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (from a copy thread) when a queued copy becomes terminal."""
+        self._on_done = callback
+
+    def post(self, dst: Sequence[int], src: Sequence[int], what: str) -> CopyJob:
+        runs, total = self._runs(dst, src, what)
+        if total <= INLINE_BYTES or not self._threads:
+            for d, s, n in runs:
+                _memmove(d, s, n)
+            return CopyJob(what, 0)
+        chunks = _split(runs, total, min(len(self._threads), max(1, total // CHUNK_BYTES)))
+        job = CopyJob(what, len(chunks))
+        for chunk in chunks:
+            self._chunks.put((job, chunk))
+        return job
+
+    def _runs(self, dst: Sequence[int], src: Sequence[int], what: str) -> tuple[list[Run], int]:
+        if len(dst) != len(src):
+            raise TransportError(f"{what}: {len(dst)} destinations for {len(src)} sources")
+        addrs, sizes, count = self._addrs, self._sizes, len(self._addrs)
+        runs: list[Run] = []
+        total = 0
+        d_end = s_end = -1
+        for d, s in zip(dst, src):
+            if not (0 <= d < count and 0 <= s < count):
+                raise TransportError(f"{what}: descriptor {d} or {s} is not one of {count}")
+            n = sizes[d]
+            if sizes[s] != n:
+                raise TransportError(
+                    f"{what}: descriptor {s} ({sizes[s]} bytes) copied into {d} ({n} bytes)"
+                )
+            da, sa = addrs[d], addrs[s]
+            if da == d_end and sa == s_end:
+                last = runs[-1]
+                runs[-1] = (last[0], last[1], last[2] + n)
+            else:
+                runs.append((da, sa, n))
+            d_end, s_end = da + n, sa + n
+            total += n
+        return runs, total
+
+    def poll(self, job: CopyJob) -> XferState:
+        return job.state
+
+    def release(self, job: CopyJob) -> None:
+        """Forget a terminal copy; cancel one in flight (TransportError if a chunk is being
+        copied: the copy stays in flight until it is over)."""
+        if job.state is XferState.PROC and not job.cancel():
+            raise TransportError(f"{job.what}: a copy thread is still copying it")
+
+    def _work(self) -> None:
+        while (item := self._chunks.get()) is not None:
+            job, runs = item
+            ran = job.begin()
+            error = ""
+            if ran:
+                try:
+                    for d, s, n in runs:
+                        _memmove(d, s, n)
+                except Exception as exc:  # ctypes argument errors; a bad address is a crash
+                    error = f"{job.what}: copy failed: {exc!r}"
+            if job.end(ran, error) and self._on_done is not None:
+                # Raises once the runtime's loop is gone: nobody waits any more.
+                with contextlib.suppress(Exception):
+                    self._on_done()
+
+    def close(self) -> None:
+        """Stop the threads once the copies queued before are done (they are terminal then)."""
+        for _ in self._threads:
+            self._chunks.put(None)
+        for thread in self._threads:
+            thread.join(timeout=1.0)  # bounded: a copy stuck in the kernel must not hang close
+        self._threads = []
+
+
+def _split(runs: list[Run], total: int, parts: int) -> list[list[Run]]:
+    """``runs`` cut into ``parts`` lists of about ``total / parts`` bytes each (a run may be
+    cut in two)."""
+    if parts <= 1:
+        return [runs]
+    share = -(-total // parts)
+    chunks: list[list[Run]] = [[]]
+    room = share
+    for run in runs:
+        d, s, n = run
+        while n > room and len(chunks) < parts:
+            if room:
+                chunks[-1].append((d, s, room))
+                d, s, n = d + room, s + room, n - room
+            chunks.append([])
+            room = share
+        chunks[-1].append((d, s, n))
+        room -= n
+    return [c for c in chunks if c]

@@ -1,0 +1,165 @@
+"""Native in-process copies (kvcr.transport.copier): descriptor pairs copied byte-exact by
+copy threads, small copies inline, bad descriptors refused naming the operation, and a copy
+in flight never reported over (or cancelled) while a thread may still touch its memory."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvcr.transport import copier as copier_module
+from kvcr.transport.base import Segment, TransportError, XferState
+from kvcr.transport.copier import INLINE_BYTES, Copier, CopyJob
+
+BLOCK = 512 * 1024  # above INLINE_BYTES: one block goes to the copy threads
+COUNT = 8
+
+
+@pytest.fixture
+def memory() -> tuple[np.ndarray, np.ndarray]:
+    pool = np.zeros(BLOCK * COUNT, dtype=np.uint8)
+    region = np.random.default_rng(3).integers(0, 255, BLOCK * COUNT, dtype=np.uint8)
+    return pool, region
+
+
+@pytest.fixture
+def copier(memory: tuple[np.ndarray, np.ndarray]) -> Iterator[Copier]:
+    pool, region = memory
+    c = Copier("test", threads=2)
+    c.open(
+        [
+            Segment("pool", pool.ctypes.data, BLOCK, COUNT),  # descriptors 0..7
+            Segment("region", region.ctypes.data, BLOCK, COUNT),  # descriptors 8..15
+        ]
+    )
+    yield c
+    c.close()
+
+
+def wait(job: CopyJob, timeout: float = 10.0) -> XferState:
+    deadline = time.monotonic() + timeout
+    while job.state is XferState.PROC:
+        assert time.monotonic() < deadline, f"{job} did not end"
+        time.sleep(0.001)
+    return job.state
+
+
+def element(array: np.ndarray, i: int) -> bytes:
+    return array[i * BLOCK : (i + 1) * BLOCK].tobytes()
+
+
+def test_descriptor_pairs_are_copied_byte_exact_by_the_copy_threads(memory, copier) -> None:
+    pool, region = memory
+    done = threading.Event()
+    copier.notify_done(done.set)
+
+    job = copier.post([0, 1, 2, 5], [8 + 7, 8 + 0, 8 + 1, 8 + 3], "deposit op 1")
+
+    assert wait(job) is XferState.DONE
+    assert done.wait(5)  # the poller is woken, not left to its next poll
+    assert [element(pool, i) for i in (0, 1, 2, 5)] == [element(region, i) for i in (7, 0, 1, 3)]
+    assert element(pool, 3) == bytes(BLOCK)  # nothing else written
+
+
+def test_a_copy_larger_than_a_thread_share_is_split_and_still_exact(memory, copier) -> None:
+    pool, region = memory
+    # Adjacent on both sides: one run of 8 blocks, cut between the two threads mid-block.
+    job = copier.post(list(range(COUNT)), [8 + i for i in range(COUNT)], "deliver op 2")
+
+    assert wait(job) is XferState.DONE
+    assert pool.tobytes() == region.tobytes()
+
+
+def test_a_small_copy_is_done_inline_before_post_returns() -> None:
+    src = np.arange(4096, dtype=np.uint8)
+    dst = np.zeros(4096, dtype=np.uint8)
+    c = Copier("inline", threads=1)
+    c.open([Segment("dst", dst.ctypes.data, 1024, 4), Segment("src", src.ctypes.data, 1024, 4)])
+    try:
+        assert INLINE_BYTES >= 4096
+        job = c.post([0, 1, 2, 3], [4, 5, 6, 7], "deposit op 3")
+        assert job.state is XferState.DONE
+        assert dst.tobytes() == src.tobytes()
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize(
+    ("dst", "src", "message"),
+    [
+        ([0, 1], [8], "deposit op 4: 2 destinations for 1 sources"),
+        ([0], [16], "deposit op 4: descriptor 0 or 16 is not one of 16"),
+        ([-1], [8], "deposit op 4: descriptor -1 or 8 is not one of 16"),
+    ],
+)
+def test_bad_descriptors_are_refused_naming_the_operation(copier, dst, src, message) -> None:
+    with pytest.raises(TransportError) as raised:
+        copier.post(dst, src, "deposit op 4")
+    assert str(raised.value) == message
+
+
+def test_descriptors_of_different_sizes_are_refused() -> None:
+    a = np.zeros(8192, dtype=np.uint8)
+    c = Copier("sizes", threads=1)
+    c.open(
+        [Segment("small", a.ctypes.data, 1024, 4), Segment("big", a.ctypes.data + 4096, 2048, 2)]
+    )
+    try:
+        with pytest.raises(TransportError, match=r"descriptor 4 \(2048 bytes\) copied into 0"):
+            c.post([0], [4], "fetch op 5")
+    finally:
+        c.close()
+
+
+def test_a_copy_being_copied_cannot_be_cancelled_and_ends_only_when_its_thread_is_done(
+    memory, copier, monkeypatch
+) -> None:
+    pool, region = memory
+    inside, let_go = threading.Event(), threading.Event()
+    real = copier_module._memmove
+
+    def slow_memmove(dst: int, src: int, count: int) -> object:
+        inside.set()
+        let_go.wait(10)
+        return real(dst, src, count)
+
+    monkeypatch.setattr(copier_module, "_memmove", slow_memmove)
+    job = copier.post([0], [8], "deliver op 6")
+    assert inside.wait(5)
+
+    with pytest.raises(TransportError, match="deliver op 6: a copy thread is still copying it"):
+        copier.release(job)
+    time.sleep(0.01)
+    assert job.state is XferState.PROC  # still touching the memory: not over
+
+    let_go.set()
+    assert wait(job) is XferState.ERR  # over now, and not a success: it was given up
+    assert "abandon_timeout_ms" in job.error
+    assert element(pool, 0) == element(region, 0)  # the running chunk finished its copy
+
+
+def test_a_copy_not_started_yet_is_cancelled_at_once(memory, copier, monkeypatch) -> None:
+    both_inside, let_go = threading.Barrier(3), threading.Event()
+    real = copier_module._memmove
+
+    def blocking(dst: int, src: int, count: int) -> object:
+        both_inside.wait(10)
+        let_go.wait(10)
+        return real(dst, src, count)
+
+    monkeypatch.setattr(copier_module, "_memmove", blocking)
+    # Both threads busy with the first copy's two chunks; the second copy waits in the queue.
+    first = copier.post(list(range(4)), [8 + i for i in range(4)], "deposit op 7")
+    both_inside.wait(10)
+    second = copier.post([6], [14], "deposit op 8")
+
+    copier.release(second)  # nothing of it runs: cancelled, and nothing will touch it
+
+    let_go.set()
+    assert wait(first) is XferState.DONE
+    assert wait(second) is XferState.ERR
+    assert element(memory[0], 6) == bytes(BLOCK)  # never written
