@@ -31,7 +31,7 @@ from common import (
     randomized,
     raw_transfer,
     runtime_thread,
-    touched,
+    shared_pages,
 )
 
 from kvcr import KVCRBindings
@@ -106,8 +106,9 @@ class Source:
     def __init__(self, raw: Any, label: str, block: int, count: int, port: int) -> None:
         self.block, self.count = block, count
         self.agent = f"p2p-src-{label}-{os.getpid()}"
-        self.region = randomized(block * count, seed=block + count)
-        self.pool = touched(block * count, 0xAA)
+        self.region = shared_pages(block * count)
+        self.region[:] = randomized(block * count, seed=block + count)
+        self.pool = shared_pages(block * count, 0xAA)
         self.region_crcs = crcs(self.region, block, count)
         self.pins = EnginePins(self.agent, count)
         self.channel = ZmqPeerControlChannel("127.0.0.1", port, "127.0.0.1")
