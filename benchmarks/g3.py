@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import common
-from common import Row, arguments, log, percentile, report
+from common import Row, arguments, log, percentile, repeated, report
 
 from kvcr import KVCR, KVCRBindings
 from kvcr.config import G3Options, KVCRBackendConfigs, KVCRConfig, LocalDramOptions
@@ -264,6 +264,8 @@ def bench_case(rows: list[Row], label: str, block: int, count: int, reps: int, q
 
 def main(argv: list[str] | None = None) -> int:
     args = arguments(__doc__.split("\n\n")[0], "30 repetitions instead of 200 (~5 s)", argv)
+    if args.runs > 1:
+        return repeated(__file__, args, "kvcr G3 benchmark")
     reps = 30 if args.quick else 200
     started = time.monotonic()
     rows: list[Row] = []

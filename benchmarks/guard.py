@@ -32,7 +32,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import common
-from common import GuardService, Row, arguments, free_port, log, null_bindings, percentile, report
+from common import (
+    GuardService,
+    Row,
+    arguments,
+    free_port,
+    log,
+    null_bindings,
+    percentile,
+    repeated,
+    report,
+)
 
 from kvcr import KVCR
 from kvcr.config import KVCRBackendConfigs, KVCRConfig, KVCRGuardConfig, LocalDramOptions
@@ -199,6 +209,8 @@ def bench_kvcr(rows: list[Row], reps: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = arguments(__doc__.split("\n\n")[0], "fewer repetitions (~20 s)", argv)
+    if args.runs > 1:
+        return repeated(__file__, args, "kvcr guard benchmark")
     quiet = args.json_only
     reps_create, reps_start, reps_claim, reps_kvcr = (
         (3, 2, 100, 3) if args.quick else (5, 5, 1000, 10)

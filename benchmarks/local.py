@@ -64,6 +64,7 @@ from common import (
     percentile,
     randomized,
     raw_transfer,
+    repeated,
     report,
     runtime_thread,
     touched,
@@ -766,6 +767,8 @@ def bench_idle(rows: list[Row], seconds: float, quiet: bool) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = arguments(__doc__.split("\n\n")[0], "fewer repetitions (~1 min)", argv)
+    if args.runs > 1:
+        return repeated(__file__, args, "kvcr local benchmark")
     quiet = args.json_only
     if args.quick:  # ~45 s on 2 cores
         reps_big, reps_small, trips, spin_every = 80, 250, 2000, 10

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import common
-from common import Row, arguments, log, null_bindings, percentile, report
+from common import Row, arguments, log, null_bindings, percentile, repeated, report
 from local import Engine, all_success
 
 from kvcr.config import KVCRBackendConfigs, KVCRConfig, KVCRGuardConfig
@@ -263,6 +263,8 @@ def bench_takeover(rows: list[Row], nblocks: int, reps: int, quiet: bool) -> Non
 
 def main(argv: list[str] | None = None) -> int:
     args = arguments(__doc__.split("\n\n")[0], "fewer repetitions (~30 s)", argv)
+    if args.runs > 1:
+        return repeated(__file__, args, "kvcr recovery benchmark")
     quiet = args.json_only
     reps, rounds, warm_reps = (10, 2, 3) if args.quick else (100, 6, 7)
     started = time.monotonic()
