@@ -264,9 +264,11 @@ def shared_pages(nbytes: int, fill: int = 0) -> np.ndarray:
 
 
 def page_kind(buf: np.ndarray) -> str:
-    """What backs ``buf``: "thp" if any of it is in transparent huge pages, else "4KiB"."""
+    """What backs ``buf``: "hugetlb-2MiB" (hugetlbfs), "thp" if any of it is in transparent
+    huge pages, else "4KiB"."""
     start = buf.ctypes.data
     end = start + buf.nbytes
+    kind = "4KiB"
     with open("/proc/self/smaps") as f:
         inside = False
         for line in f:
@@ -274,9 +276,11 @@ def page_kind(buf: np.ndarray) -> str:
             if "-" in head and not head.endswith(":"):
                 lo, hi = (int(x, 16) for x in head.split("-"))
                 inside = lo < end and start < hi
+            elif inside and head == "KernelPageSize:" and int(line.split()[1]) > 4:
+                kind = f"hugetlb-{int(line.split()[1]) // 1024}MiB"
             elif inside and head == "AnonHugePages:" and int(line.split()[1]) > 0:
-                return "thp"
-    return "4KiB"
+                kind = "thp"
+    return kind
 
 
 def randomized(nbytes: int, seed: int) -> np.ndarray:

@@ -5,7 +5,10 @@ Run: ``uv run python benchmarks/copies.py [--quick] [--json-only] [--runs N]``
 The memory (target rows): shared mappings, as vLLM's adapter maps its secondary pool and
 the guard maps its pools in /dev/shm, which get 4 KiB pages (no transparent huge pages for
 shared memory). Rows marked "diag: thp" repeat a case on private memory that numpy backs
-with transparent huge pages, where page walks cost less. Each row says which pages it got.
+with transparent huge pages, where page walks cost less; with ``KVCR_BENCH_HUGETLBFS=DIR``
+(a hugetlbfs mount with ~1.5 GiB of free 2 MiB pages), "diag: hugetlb" rows repeat them on
+shared huge pages, as ``kvcr-guard --huge-pages`` gives them. Each row says which pages it
+got.
 
 The engine (target rows): it submits an operation and calls ``poll_completed`` once per
 scheduler step, sleeping in between: every 0.5 ms and every 5 ms. An operation is timed from
@@ -24,11 +27,14 @@ one copy thread, >= 1.2x with two; >= 0.6x at 256 x 64 KiB.
 from __future__ import annotations
 
 import functools
+import mmap
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -59,10 +65,35 @@ CADENCES_S = (0.0005, 0.005)
 OP_TIMEOUT_S = 30.0
 
 
+# KVCR_BENCH_HUGETLBFS=DIR (a hugetlbfs mount with free 2 MiB pages): also rows on memory
+# mapped from files there, as `kvcr-guard --huge-pages` maps its groups.
+_HUGE_DIR = os.environ.get("KVCR_BENCH_HUGETLBFS")
+HUGETLBFS: Path | None = Path(_HUGE_DIR) if _HUGE_DIR else None
+
+
 def allocate(kind: str, nbytes: int, fill: int) -> np.ndarray:
     if kind == "shm":
         return shared_pages(nbytes, fill)
+    if kind == "hugetlb":
+        assert HUGETLBFS is not None
+        return hugetlb_pages(HUGETLBFS, nbytes, fill)
     return touched(nbytes, fill)  # numpy madvises large buffers for huge pages
+
+
+def hugetlb_pages(directory: Path, nbytes: int, fill: int) -> np.ndarray:
+    """A shared mapping of a file on a hugetlbfs mount (as ``kvcr-guard --huge-pages``
+    maps its groups): 2 MiB pages, reserved when the file is allocated."""
+    size = -(-nbytes // (2 * MIB)) * 2 * MIB
+    fd, name = tempfile.mkstemp(dir=directory)
+    try:
+        os.posix_fallocate(fd, 0, size)
+        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(fd)
+        os.unlink(name)  # the mapping keeps the pages until it goes
+    buf = np.frombuffer(mapping, dtype=np.uint8)[:nbytes]
+    buf.fill(fill)
+    return buf
 
 
 def timed(kv: Any, submit: Callable[[], int], nkeys: int, cadence: float) -> float:
@@ -152,7 +183,7 @@ def bench_case(
     def gbps(name: str) -> float:
         return gb / statistics.median(times[name])
 
-    diag = "" if kind == "shm" else "diag: thp, "
+    diag = "" if kind == "shm" else f"diag: {kind}, "
     what = f"{count} x {label}, {diag}{pages} pages"
     memcpy_gbps = gbps("memcpy")
     rows.append(Row("baseline", f"{what}: memcpy (1 thread) median", memcpy_gbps, "GB/s"))
@@ -204,9 +235,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     load = MachineLoad()
     rows: list[Row] = []
     raw = RawNixl("copies-raw")
-    for kind in ("shm", "thp"):
+    kinds = ("shm", "thp", "hugetlb") if HUGETLBFS is not None else ("shm", "thp")
+    for kind in kinds:
         for label, block, count in SIZES:
-            if kind == "thp" and label == "64KiB":
+            if kind != "shm" and label == "64KiB":
                 continue
             log(f"{kind} {count} x {label}", quiet)
             bench_case(rows, raw, kind, label, block, count, reps[label])

@@ -24,8 +24,9 @@ from typing import Any
 import trio
 
 from kvcr.errors import KVCRServiceError
+from kvcr.guard import hugepages
 from kvcr.guard.client import KVCRClient
-from kvcr.guard.pools import parse_pool_sizes_gb
+from kvcr.guard.pools import JOURNAL_BYTES, parse_pool_sizes_gb
 from kvcr.guard.protocol import MAX_DIGEST, MAX_GROUPS, GroupStatus
 from kvcr.guard.service import GuardService, ServiceConfig, ServiceStartError
 from kvcr.logs import get_logger, parse_level
@@ -61,6 +62,12 @@ def serve_parser() -> argparse.ArgumentParser:
         type=float,
         default=5.0,
         help="close a connection that sends nothing for this long (default 5)",
+    )
+    p.add_argument(
+        "--huge-pages",
+        action="store_true",
+        help="back the pools with reserved huge pages: --pool-dir must be a hugetlbfs mount "
+        "with enough free pages (pool sizes are rounded down to the huge page)",
     )
     p.add_argument(
         "--allow-gid",
@@ -102,7 +109,14 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         raise FlagError(f"--socket-path {socket_path}: directory {socket_path.parent} is missing")
     if not (math.isfinite(args.idle_timeout_s) and args.idle_timeout_s > 0):
         raise FlagError(f"--idle-timeout-s must be a positive number, got {args.idle_timeout_s}")
+    huge_page = None
+    if args.huge_pages:
+        try:
+            sizes, huge_page = hugepages.fit(pool_dir, sizes, JOURNAL_BYTES, args.guard_count)
+        except ValueError as exc:
+            raise FlagError(str(exc)) from None
     return ServiceConfig(
+        huge_page_size=huge_page,
         allowed_gid=_group_id(args.allow_gid) if args.allow_gid is not None else None,
         socket_path=socket_path,
         pool_dir=pool_dir,

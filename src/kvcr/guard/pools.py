@@ -198,7 +198,9 @@ def create_group_file(
         os.fchmod(fd, 0o600 if group is None else 0o660)
         vfs = os.fstatvfs(fd)
         free = vfs.f_bavail * vfs.f_frsize
-        if size > free:
+        # A hugetlbfs mount without a size limit reports no blocks at all: the service
+        # checked the free huge pages itself (hugepages.fit), and fallocate reserves them.
+        if vfs.f_blocks and size > free:
             # Checked first so that an impossible reservation never fills the filesystem
             # on the way to ENOSPC (ext4 allocates extents until it runs out).
             raise OSError(

@@ -66,6 +66,7 @@ class ServiceConfig:
     compatibility_digest: str
     idle_timeout_s: float = 5.0  # a connection that sends nothing for this long is closed
     allowed_gid: int | None = None  # besides the service's uid: members of this group
+    huge_page_size: int | None = None  # --huge-pages: the pools' page size (hugetlbfs)
 
 
 class GuardService:
@@ -156,6 +157,13 @@ class GuardService:
         st = os.stat(cfg.socket_path)
         self._socket_id = (st.st_dev, st.st_ino)
         self._listener = trio.socket.from_stdlib_socket(listener)
+        self.log.info(
+            "pools_created",
+            groups=cfg.guard_count,
+            group_bytes=self.layout.total_size,
+            page_bytes=cfg.huge_page_size or os.sysconf("SC_PAGE_SIZE"),
+            huge_pages=cfg.huge_page_size is not None,
+        )
 
     def _lock_socket(self, path: Path) -> None:
         lock_path = f"{path}.lock"
