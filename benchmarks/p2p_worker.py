@@ -39,6 +39,7 @@ from kvcr.control_channels import ZmqPeerControlChannel
 from kvcr.types import BlockKey, MemoryRef, OpEntryStatus
 
 OP_TIMEOUT_S = 60.0
+BUSY_PERIOD_S = 0.010  # a busy engine's step: busy share in Python, the rest asleep
 POOL_KEY_BASE = 1_000_000  # keys deposited into the source's kvcr pool
 ENGINE_KEY_BASE = 2_000_000  # keys only the source's engine holds (served by pinning)
 
@@ -215,10 +216,15 @@ def main() -> None:
     source: Source | None = None
     idle: CpuSpan | None = None
     cadence = 0.001
+    busy = 0.0  # share of every BUSY_PERIOD_S the engine spends in pure Python
 
     def set_cadence(seconds: float) -> None:
         nonlocal cadence
         cadence = seconds
+
+    def set_busy(share: float) -> None:
+        nonlocal busy
+        busy = share
 
     def setup(label: str, block: int, count: int, port: int) -> dict[str, Any]:
         nonlocal source
@@ -262,11 +268,22 @@ def main() -> None:
         "pins": pins,
         "ping": lambda: None,
         "cadence": set_cadence,
+        "busy": set_busy,
     }
     try:
         while True:
-            if not conn.poll(cadence):
+            wait = cadence
+            if busy:
+                # A step of pure-Python work that holds the GIL (a switch interval at a
+                # time), then the scheduler's poll, then the rest of the period asleep.
+                until = time.perf_counter() + busy * BUSY_PERIOD_S
+                while time.perf_counter() < until:
+                    pass
                 if source is not None:
+                    source.kv.poll_completed()
+                wait = (1 - busy) * BUSY_PERIOD_S
+            if not conn.poll(wait):
+                if source is not None and not busy:
                     source.kv.poll_completed()  # one scheduler step: results, pins, events
                 continue
             try:
