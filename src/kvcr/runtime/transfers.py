@@ -12,7 +12,9 @@ milliseconds), then every millisecond, and not at all when nothing is in flight 
 costs no CPU). A peer write becomes DONE, and its
 notification leaves, only when the source polls it after the destination called into
 NIXL, so a slower poll here is latency added to every peer transfer. Local copies run on
-copy threads (``transport/copier.py``), and each one that ends wakes the poller at once.
+copy threads (``transport/copier.py``): the one that ends a copy has it checked at once in
+the loop's thread, and while only copies are in flight the poller barely wakes (every
+10 ms), not to take a core from them.
 
 NIXL's file backends do their work inside polls (64 descriptors a poll: ~0.5 ms for 64 KiB
 blocks), so the G3 tier's poller is ``busy``: it polls back to back while something is in
@@ -30,10 +32,13 @@ from typing import Any, Generic, TypeVar
 import attrs
 import trio
 
-from kvcr.runtime.timer import poll_interval, sleeper
+from kvcr.runtime.timer import FineTimer, TrioSleep, poll_interval, sleeper
 from kvcr.transport.base import Transport, XferPoller, XferState
 
 BUSY_YIELD_S = 0.001  # the longest a busy poller polls without letting other tasks run
+# With only local copies in flight, on a transport that says when they end, the poller
+# waits for that word; this is the poll it still makes, in case a word was lost.
+NOTIFIED_POLL_S = 0.01
 
 
 @attrs.define(eq=False)
@@ -45,6 +50,7 @@ class Xfer:
     state: XferState = XferState.PROC
     on_terminal: list[Callable[[Xfer], None]] = attrs.field(factory=list)
     error: str = ""  # why it ended in ERR: the transport's words
+    local: bool = False  # a copy inside the process (start), not a transfer followed (track)
 
     @property
     def ok(self) -> bool:
@@ -67,6 +73,7 @@ class Transfers(Generic[_T]):
         self._work = trio.Event()
         self._idle = trio.Event()
         self._idle.set()
+        self._timer: FineTimer | TrioSleep | None = None  # the poller's, while it runs
 
     @property
     def in_flight(self) -> int:
@@ -82,18 +89,26 @@ class Transfers(Generic[_T]):
     ) -> Xfer:
         """Post a local copy. Raises TransportError if it could not be posted (then nothing
         is in flight and ``on_terminal`` is not called)."""
-        return self.track(self.transport.post_local_read(dst, src, what), what, nbytes, on_terminal)
+        handle = self.transport.post_local_read(dst, src, what)
+        return self.track(handle, what, nbytes, on_terminal, local=True)
 
     def track(
-        self, handle: object, what: str, nbytes: int, on_terminal: Callable[[Xfer], None]
+        self,
+        handle: object,
+        what: str,
+        nbytes: int,
+        on_terminal: Callable[[Xfer], None],
+        local: bool = False,
     ) -> Xfer:
         """Follow a posted transfer until it is terminal, then run ``on_terminal``."""
-        xfer = Xfer(handle, what, nbytes, on_terminal=[on_terminal])
+        xfer = Xfer(handle, what, nbytes, on_terminal=[on_terminal], local=local)
         self._in_flight.add(xfer)
         self._idle = trio.Event() if self._idle.is_set() else self._idle
-        self._check(xfer)  # loopback copies are usually done by the time post returns
+        self._check(xfer)  # small copies are done by the time post returns
         if xfer in self._in_flight:
             self._work.set()
+            if not local and self._timer is not None:
+                self._timer.wake()  # the poller may be in a long sleep over copies alone
         return xfer
 
     def poll_now(self, xfer: Xfer) -> None:
@@ -153,13 +168,14 @@ class Transfers(Generic[_T]):
         await self._idle.wait()
 
     async def run(self) -> None:
-        timer = sleeper(self._fine)
+        timer = self._timer = sleeper(self._fine)
         notify = getattr(self.transport, "notify_local_done", None)
+        notified = notify is not None
         if notify is not None:
-            # Local copies end on copy threads: each one that does wakes this poller at
-            # once instead of at its next poll.
+            # Local copies end on copy threads: each one that does has this poller check
+            # them at once, in the loop's thread, instead of at its next poll.
             token = trio.lowlevel.current_trio_token()
-            notify(lambda: token.run_sync_soon(timer.wake))
+            notify(lambda: token.run_sync_soon(self._local_done))
         try:
             while True:
                 if not self._in_flight:
@@ -170,8 +186,23 @@ class Transfers(Generic[_T]):
                     if self._busy:
                         await self._poll_back_to_back()
                         continue
-                    await timer.sleep(poll_interval(trio.current_time(), busy_since))
+                    if notified and all(x.local for x in self._in_flight):
+                        # Nothing to poll for: a wake-up now would only take a core from
+                        # the copy threads.
+                        interval = NOTIFIED_POLL_S
+                    else:
+                        interval = poll_interval(trio.current_time(), busy_since)
+                    await timer.sleep(interval)
                     for xfer in list(self._in_flight):
                         self._check(xfer)
         finally:
+            self._timer = None
             timer.close()
+
+    def _local_done(self) -> None:
+        """A local copy ended (called in the loop's thread, from a copy thread's word)."""
+        try:
+            for xfer in [x for x in self._in_flight if x.local]:
+                self._check(xfer)
+        except Exception as exc:  # in trio's own callback: it must not raise
+            self._log.exception("transfer_completion_failed", error=repr(exc))
