@@ -123,16 +123,17 @@ class LocalG2(Residency):
         sources: Mapping[BlockKey, tuple[int, ...]],
         no_evict: bool,
     ) -> None:
-        dst: list[int] = []
-        src: list[int] = []
         bases = self.memory.pool_base
-        filling = op.filling
-        for block in blocks:
-            filling[block.key] = block
-            dst.extend(base + slot for base, slot in zip(bases, block.slots))
-            src.extend(sources[block.key])
+        keys = [b.key for b in blocks]
+        op.filling.update(zip(keys, blocks))
+        if len(bases) == 1:  # one pool, the usual case: one descriptor a key
+            base = bases[0]
+            dst = [base + b.slots[0] for b in blocks]
+            src = [sources[k][0] for k in keys]
+        else:
+            dst = [base + slot for b in blocks for base, slot in zip(bases, b.slots)]
+            src = [d for k in keys for d in sources[k]]
         nbytes = len(blocks) * self.memory.bytes_per_key
-        keys = frozenset(b.key for b in blocks)
 
         def settle(xfer: Xfer) -> None:
             self.outbox.xfer_terminal(op, xfer)
