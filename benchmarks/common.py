@@ -263,6 +263,32 @@ def shared_pages(nbytes: int, fill: int = 0) -> np.ndarray:
     return buf
 
 
+def hugetlb_pages(directory: Path, nbytes: int, fill: int) -> np.ndarray:
+    """A shared mapping of a file on a hugetlbfs mount (as ``kvcr-guard --huge-pages``
+    maps its groups): 2 MiB pages, reserved when the file is allocated."""
+    size = -(-nbytes // (2 * MIB)) * 2 * MIB
+    fd, name = tempfile.mkstemp(dir=directory)
+    try:
+        os.posix_fallocate(fd, 0, size)
+        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(fd)
+        os.unlink(name)  # the mapping keeps the pages until it goes
+    buf = np.frombuffer(mapping, dtype=np.uint8)[:nbytes]
+    buf.fill(fill)
+    return buf
+
+
+def bench_pages(nbytes: int, fill: int = 0) -> np.ndarray:
+    """The scripts' memory: ``shared_pages``, or with ``KVCR_BENCH_HUGETLBFS=DIR`` (a
+    hugetlbfs mount with free 2 MiB pages) huge pages from there, as ``kvcr-guard
+    --huge-pages`` gives them."""
+    directory = os.environ.get("KVCR_BENCH_HUGETLBFS")
+    if directory:
+        return hugetlb_pages(Path(directory), nbytes, fill)
+    return shared_pages(nbytes, fill)
+
+
 def page_kind(buf: np.ndarray) -> str:
     """What backs ``buf``: "hugetlb-2MiB" (hugetlbfs), "thp" if any of it is in transparent
     huge pages, else "4KiB"."""

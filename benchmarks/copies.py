@@ -27,11 +27,9 @@ one copy thread, >= 1.2x with two; >= 0.6x at 256 x 64 KiB.
 from __future__ import annotations
 
 import functools
-import mmap
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -45,6 +43,7 @@ from common import (
     Row,
     arguments,
     crcs,
+    hugetlb_pages,
     log,
     make_instance,
     null_bindings,
@@ -78,22 +77,6 @@ def allocate(kind: str, nbytes: int, fill: int) -> np.ndarray:
         assert HUGETLBFS is not None
         return hugetlb_pages(HUGETLBFS, nbytes, fill)
     return touched(nbytes, fill)  # numpy madvises large buffers for huge pages
-
-
-def hugetlb_pages(directory: Path, nbytes: int, fill: int) -> np.ndarray:
-    """A shared mapping of a file on a hugetlbfs mount (as ``kvcr-guard --huge-pages``
-    maps its groups): 2 MiB pages, reserved when the file is allocated."""
-    size = -(-nbytes // (2 * MIB)) * 2 * MIB
-    fd, name = tempfile.mkstemp(dir=directory)
-    try:
-        os.posix_fallocate(fd, 0, size)
-        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-    finally:
-        os.close(fd)
-        os.unlink(name)  # the mapping keeps the pages until it goes
-    buf = np.frombuffer(mapping, dtype=np.uint8)[:nbytes]
-    buf.fill(fill)
-    return buf
 
 
 def timed(kv: Any, submit: Callable[[], int], nkeys: int, cadence: float) -> float:

@@ -6,7 +6,9 @@ Two processes on 127.0.0.1: the source "A" is a child (``p2p_worker.py``) driven
 socketpair; the destination "B" is this process. B pulls blocks from A (B <- A):
 
 Every buffer is a shared mapping with 4 KiB pages, as engines give kvcr its memory (vLLM's
-secondary pool, the guard's /dev/shm pools; see copies.py).
+secondary pool, the guard's /dev/shm pools; see copies.py), or with
+``KVCR_BENCH_HUGETLBFS=DIR`` 2 MiB pages from that hugetlbfs mount (``kvcr-guard
+--huge-pages``; ~1.5 GiB of free huge pages).
 
 1. throughput, 41 x 7 MiB, 16 x 2 MiB and 256 x 64 KiB per operation:
    - kvcr: A deposited the blocks into its kvcr pool ("kvcr-owned") or only its engine holds
@@ -71,6 +73,7 @@ from common import (
     Row,
     arguments,
     bare_agent,
+    bench_pages,
     crcs,
     free_port,
     idle_row,
@@ -81,7 +84,6 @@ from common import (
     repeated,
     report,
     runtime_thread,
-    shared_pages,
     touched,
 )
 from p2p_worker import ENGINE_KEY_BASE, POOL_KEY_BASE, IntKeys, block_key
@@ -211,8 +213,8 @@ class Destination:
         self.endpoint: str = info["endpoint"]
         self.src_crcs: list[int] = info["crcs"]
         self.agent = f"p2p-dst-{label}-{os.getpid()}"
-        self.region = shared_pages(self.nbytes, 0)
-        self.pool = shared_pages(2 * block, 0)  # unused: deliver writes the engine region
+        self.region = bench_pages(self.nbytes, 0)
+        self.pool = bench_pages(2 * block, 0)  # unused: deliver writes the engine region
         self.channel = ZmqPeerControlChannel("127.0.0.1", free_port(), "127.0.0.1")
         self.kv = make_instance(
             self.agent,

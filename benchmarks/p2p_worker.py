@@ -26,12 +26,12 @@ from typing import Any
 from common import (
     CpuSpan,
     bare_agent,
+    bench_pages,
     crcs,
     open_instance,
     randomized,
     raw_transfer,
     runtime_thread,
-    shared_pages,
 )
 
 from kvcr import KVCRBindings
@@ -107,9 +107,9 @@ class Source:
     def __init__(self, raw: Any, label: str, block: int, count: int, port: int) -> None:
         self.block, self.count = block, count
         self.agent = f"p2p-src-{label}-{os.getpid()}"
-        self.region = shared_pages(block * count)
+        self.region = bench_pages(block * count)
         self.region[:] = randomized(block * count, seed=block + count)
-        self.pool = shared_pages(block * count, 0xAA)
+        self.pool = bench_pages(block * count, 0xAA)
         self.region_crcs = crcs(self.region, block, count)
         self.pins = EnginePins(self.agent, count)
         self.channel = ZmqPeerControlChannel("127.0.0.1", port, "127.0.0.1")
