@@ -88,12 +88,19 @@ class FineTimer:
 
 
 class TrioSleep:
-    """trio's own sleep, for MockClock tests; a wake is not needed there."""
+    """trio's own sleep (MockClock tests), ended early by ``wake`` as the timerfd's is."""
 
-    sleep = staticmethod(trio.sleep)
+    def __init__(self) -> None:
+        self._scope: trio.CancelScope | None = None
+
+    async def sleep(self, seconds: float) -> None:
+        with trio.CancelScope() as self._scope:
+            await trio.sleep(seconds)
+        self._scope = None
 
     def wake(self) -> None:
-        pass
+        if self._scope is not None:
+            self._scope.cancel()
 
     def close(self) -> None:
         pass
