@@ -57,8 +57,7 @@ class MemoryMap:
         self.desc_addrs: list[int] = []
         self.desc_sizes: list[int] = []
         for segment in self.segments:
-            pitch = segment.pitch
-            self.desc_addrs.extend(range(segment.addr, segment.addr + segment.count * pitch, pitch))
+            self.desc_addrs.extend(segment.element_addrs())
             self.desc_sizes.extend([segment.element_size] * segment.count)
 
     def ranges(self, descs: Sequence[int]) -> list[tuple[int, int]]:

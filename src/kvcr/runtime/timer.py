@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -48,8 +47,6 @@ _settime.restype = ctypes.c_int
 _read = _libc.read
 _read.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t]
 _read.restype = ctypes.c_ssize_t
-
-Sleep = Callable[[float], Awaitable[None]]
 
 
 class FineTimer:

@@ -111,11 +111,6 @@ class Transfers(Generic[_T]):
                 self._timer.wake()  # the poller may be in a long sleep over copies alone
         return xfer
 
-    def poll_now(self, xfer: Xfer) -> None:
-        """Poll one transfer at once (for transports that only progress while polled)."""
-        if xfer in self._in_flight:
-            self._check(xfer)
-
     def _check(self, xfer: Xfer) -> None:
         try:
             state = self.transport.poll(xfer.handle)

@@ -55,6 +55,10 @@ class Segment:
     def element_addr(self, index: int) -> int:
         return self.addr + index * self.pitch
 
+    def element_addrs(self) -> range:
+        """The address of every element, in order."""
+        return range(self.addr, self.addr + self.count * self.pitch, self.pitch)
+
 
 class XferPoller(Protocol):
     """What following a posted transfer needs (a :class:`Transport`, or the G3 file

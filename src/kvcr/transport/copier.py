@@ -116,7 +116,7 @@ class Copier:
 
     def open(self, segments: Sequence[Segment]) -> None:
         for seg in segments:
-            self._addrs.extend(range(seg.addr, seg.addr + seg.count * seg.pitch, seg.pitch))
+            self._addrs.extend(seg.element_addrs())
             self._sizes.extend([seg.element_size] * seg.count)
         for i in range(self._threads_wanted):
             thread = threading.Thread(

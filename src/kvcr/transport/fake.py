@@ -204,7 +204,7 @@ class FakeTransport:
 
     def open_local(self, segments: Sequence[Segment]) -> None:
         for seg in segments:
-            self._descs.extend((seg.element_addr(i), seg.element_size) for i in range(seg.count))
+            self._descs.extend((addr, seg.element_size) for addr in seg.element_addrs())
             self._segments.append((seg.addr, seg.span))
 
     def post_local_read(self, dst: Sequence[int], src: Sequence[int], what: str) -> FakeXfer:
