@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -53,13 +53,18 @@ def wait_until(condition: Callable[[], Any], timeout: float = 20, what: str = "c
 
 
 def spawn(
-    program: Path, args: list[str], env: dict[str, str] | None = None, stderr: Any = None
+    program: Path,
+    args: list[str],
+    env: dict[str, str] | None = None,
+    stderr: Any = None,
+    prefix: Sequence[str] = (),
 ) -> tuple[subprocess.Popen[bytes], Connection]:
     """Start ``python PROGRAM FD ARGS...`` with FD its end of a socketpair; returns the process
-    and our end, over which it takes pickled ``(command, *args)`` tuples."""
+    and our end, over which it takes pickled ``(command, *args)`` tuples. ``prefix`` runs it
+    through another command that execs it (``ip netns exec NS``: the pid stays the child's)."""
     ours, theirs = socket.socketpair()
     proc = subprocess.Popen(
-        [sys.executable, str(program), str(theirs.fileno()), *args],
+        [*prefix, sys.executable, str(program), str(theirs.fileno()), *args],
         pass_fds=[theirs.fileno()],
         env={**os.environ, **(env or {})},
         stderr=stderr,
@@ -97,13 +102,19 @@ class SourceWorker:
         guard: tuple[str, int, str] | None = None,
         env: dict[str, str] | None = None,
         log: Path | None = None,
+        prefix: Sequence[str] = (),
     ) -> None:
-        """``log``: a file for the child's stderr (appended to), else it inherits ours."""
+        """``log``: a file for the child's stderr (appended to), else it inherits ours;
+        ``prefix``: see :func:`spawn`."""
         self.port = port or free_port()
         extra = [str(x) for x in guard] if guard else []
         with open(log, "ab") if log else contextlib.nullcontext() as stderr:
             self.proc, self.conn = spawn(
-                WORKER, [name, str(self.port), *(str(x) for x in sizes), *extra], env, stderr
+                WORKER,
+                [name, str(self.port), *(str(x) for x in sizes), *extra],
+                env,
+                stderr,
+                prefix,
             )
         self.endpoint = self("endpoint", timeout=60)
 

@@ -35,6 +35,7 @@ from engine_sim import EngineSim, Recorder, router_hint
 from kvcr import KVCR
 from kvcr.config import KVCRBackendConfigs, KVCRGuardConfig
 from kvcr.control_channels import ZmqPeerControlChannel
+from kvcr.telemetry import InMemoryStats
 from kvcr.testing import open_kvcr
 from kvcr.types import CacheTier
 from peer_world import EnginePins, IntKeys, key
@@ -53,9 +54,15 @@ def main() -> None:
         region_blocks=region_blocks,
         operation_timeout_ms=2000,
         abandon_timeout_ms=4000,
+        enable_telemetry=True,
     )
     pins = EnginePins(engine)
-    channel = ZmqPeerControlChannel("127.0.0.1", port, "127.0.0.1")
+    # Another host (two_hosts.py): bind every address, advertise the one peers reach.
+    channel = ZmqPeerControlChannel(
+        os.environ.get("KVCR_TEST_CONTROL_HOST", "127.0.0.1"),
+        port,
+        os.environ.get("KVCR_TEST_ADVERTISE_HOST", "127.0.0.1"),
+    )
     recorder = Recorder()
     bindings = recorder.bindings(
         request_pin=pins.request_pin,
@@ -64,6 +71,7 @@ def main() -> None:
         cancel_pin_request=pins.cancel_pin_request,
         framework_control=channel,
         key_adapter=IntKeys(),
+        stats_factory=InMemoryStats,
     )
     guard = None
     if len(sys.argv) > 7:
@@ -125,9 +133,10 @@ def main() -> None:
         "pin_state": pin_state,
         "claims": lambda k: runtime.index.get(key(k)).claims,
         "query": lambda ks: [status.name for status, _ in kv.query([key(k) for k in ks])],
-        "get_stats": lambda: None,
+        "counters": soak.counters,
         "dropped": lambda: dict(runtime.peers.dropped),
         "callback_threads": lambda: (recorder.threads.calls, list(recorder.threads.wrong)),
+        "events": lambda: [(e.op_handle, e.state) for e in recorder.resilience],
     }
     try:
         while True:
@@ -180,12 +189,23 @@ class Soak:
         self.later: set[int] = set()  # ops whose results the idle loop must keep
         self.inventory: set[int] = set()  # LOCAL_G2 keys, replayed from inventory events
         self.requests = 0
+        self.totals: dict[str, float] = {}  # counter "name{labels}" -> sum over intervals
 
     def absorb(self) -> None:
         """Drain completions while idle, keeping only those somebody will ask for."""
         for handle, entries in self.kv.poll_completed():
             if handle in self.later:
                 self.engine.completed.setdefault(handle, {}).update(entries)
+
+    def counters(self) -> dict[str, float]:
+        """The instance's counters so far, summed over its stats intervals."""
+        stats = self.kv.get_stats()
+        if stats is not None:
+            assert isinstance(stats, InMemoryStats)
+            for (name, labels), value in stats.counters.items():
+                label = f"{name}{{{','.join(labels)}}}"
+                self.totals[label] = self.totals.get(label, 0) + value
+        return dict(self.totals)
 
     def deposit(self, keys: list[int], no_evict: bool) -> dict[int, str]:
         for i, k in enumerate(keys):

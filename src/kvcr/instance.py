@@ -65,7 +65,10 @@ def nixl_factory(config: KVCRConfig, backend_configs: KVCRBackendConfigs) -> Cal
 
         local = backend_configs.local_dram
         backend = local.backend if local is not None else backend_configs.remote_fw_dram.backend
-        return NixlTransport(config.nixl_agent_name, backend)
+        # A stalled TCP write ends at the operation timeout (see transport/nixl.py).
+        return NixlTransport(
+            config.nixl_agent_name, backend, user_timeout_ms=config.operation_timeout_ms
+        )
 
     return factory
 

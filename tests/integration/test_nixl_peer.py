@@ -213,7 +213,7 @@ def test_a_restarted_destination_is_written_to_after_its_new_metadata_is_added(p
         transport.remove_peer(name)
 
 
-def test_a_silent_destination_holds_the_write_in_proc_and_release_cancels_it(parent) -> None:
+def test_a_silent_destination_holds_the_write_in_proc_and_release_refuses_it(parent) -> None:
     transport, _, _ = parent
     with child("peer-test-silent") as c:
         peer = transport.add_peer(c.metadata)
@@ -225,9 +225,13 @@ def test_a_silent_destination_holds_the_write_in_proc_and_release_cancels_it(par
         c("silent")  # no NIXL calls in the child until its next command
         xfer = transport.post_write([2], [c.slot(1)], peer, b"held", "held write")
         assert wait_terminal(transport, xfer, timeout=0.2) is XferState.PROC
-        transport.release(xfer)  # cancels: no notification will come
+        # Over TCP a released write is resumed, not cancelled: a write in flight is kept.
+        with pytest.raises(TransportError, match=r"held write .*never cancelled"):
+            transport.release(xfer)
         c("loud")
-        assert c("notes", 0.1) == []
+        assert wait_terminal(transport, xfer) is XferState.DONE
+        transport.release(xfer)
+        assert [m for _, m, _ in c("notes", 5.0)] == [b"held"]
         xfer = transport.post_write([3], [c.slot(2)], peer, b"next", "next write")
         assert wait_terminal(transport, xfer) is XferState.DONE
         transport.release(xfer)
@@ -258,7 +262,7 @@ def test_sigkill_of_the_destination_ends_the_write_with_a_transport_error(parent
             wait_terminal(transport, xfer, timeout=5)
         assert time.monotonic() - killed < 2
         transport.release(xfer)
-        # a later write to the dead peer is refused when posted
-        with pytest.raises(TransportError, match=r"late write to peer 'peer-test-kill'.*disc"):
+        # a later write to the dead peer is refused when posted: it cannot be loaded again
+        with pytest.raises(TransportError, match=r"late write: peer 'peer-test-kill' is disc"):
             transport.post_write(src, dst, peer, b"late", "late write")
         transport.remove_peer(peer)

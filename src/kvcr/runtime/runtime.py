@@ -168,7 +168,10 @@ class Runtime(Part):
                 async with trio.open_nursery() as ops:
                     self._ops_nursery = ops
                     task_status.started()
-                    self.log.info("runtime_started", pools=self.memory.pool_names)
+                    # Cross-host writes end at UCX's TCP user timeout: say which one holds.
+                    timeout = getattr(transport, "user_timeout", None)
+                    extra = {"ucx_tcp_user_timeout": timeout[0]} if timeout else {}
+                    self.log.info("runtime_started", pools=self.memory.pool_names, **extra)
                     await self._pump()
                     ops.cancel_scope.cancel()
                 if self.peers is not None:

@@ -24,12 +24,30 @@ UCX between two processes on one host (NIXL 1.5.1):
   metadata (``add_peer`` then replaces the old copy) for the check to follow.
 - A dead destination makes the write end with an error (``transfer()`` or
   ``check_xfer_state`` raise ``nixlRemoteDisconnectError``, within ~5 ms of the death); a
-  hung one (SIGSTOP) leaves it PROC; releasing a PROC handle cancels it.
+  hung one (SIGSTOP) leaves it PROC.
+
+Between hosts UCX moves the data over TCP, and a write does not end when the link does
+(measured between two network namespaces, 1 GiB WRITEs, the link cut 0.1 s in):
+
+- With UCX's defaults the write stays PROC for good. Released (or its peer removed) while
+  the link is down, it is not cancelled: when the link returns, UCX sends the rest, and it
+  lands in memory the destination may have handed back by then. So a peer write still in
+  flight is never released here (``release`` refuses it): it ends on its own.
+- With a TCP user timeout (``UCX_TCP_USER_TIMEOUT``) the connection is closed once data
+  stays unacknowledged that long: the write ends with ``nixlRemoteDisconnectError`` ~0.1 s
+  after the timeout, and nothing of it lands afterwards. Unless the operator set one, the
+  first agent of the process sets it to the operation timeout (``tcp_user_timeout``), which
+  ends a stalled write well before ``abandon_timeout_ms`` (at least twice as long).
+- After such an error the agent keeps that peer marked disconnected, even once the link is
+  back: every later write to it fails. A peer whose transfer failed is therefore loaded
+  again (``remove_remote_agent``, ``add_remote_agent`` with the same metadata, a new
+  connection) before the next write to it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,7 +69,8 @@ _REASONS = {
     "nixlNotFoundError": "not found (a destination range outside the peer's registered "
     "memory, or an unknown peer)",
     "nixlInvalidParamError": "invalid parameter (descriptor sizes or indices)",
-    "nixlRemoteDisconnectError": "the peer disconnected (its process is gone)",
+    "nixlRemoteDisconnectError": "the peer disconnected (its process is gone, or the link "
+    "to it was down past the TCP user timeout)",
     "nixlNotAllowedError": "not allowed",
     "nixlBackendError": "backend error",
 }
@@ -60,6 +79,21 @@ _REASONS = {
 # 8-byte length, the name, "|". add_peer needs the name before loading the metadata, to
 # replace the metadata of a restarted peer (NIXL refuses to load it over the old one).
 _MD_PREFIX = b"nixlSerDes|Agent"
+
+
+USER_TIMEOUT_ENV = "UCX_TCP_USER_TIMEOUT"
+
+
+def tcp_user_timeout(timeout_ms: int) -> tuple[str, str]:
+    """Give this process's UCX a TCP user timeout of ``timeout_ms`` unless the environment
+    already names one (the operator's, or an earlier agent's: UCX reads it when an agent
+    starts, so it is one value per process). Returns the value in force and who set it."""
+    current = os.environ.get(USER_TIMEOUT_ENV)
+    if current is not None:
+        return current, "environment"
+    value = f"{int(timeout_ms)}ms"
+    os.environ[USER_TIMEOUT_ENV] = value
+    return value, "kvcr"
 
 
 def _reason(exc: BaseException) -> str:
@@ -102,8 +136,19 @@ class NixlTransport:
     #: Poll with sub-millisecond timers (see runtime/timer.py).
     fine_timing = True
 
-    def __init__(self, agent_name: str, backend: str = "UCX", copiers: int | None = None) -> None:
+    def __init__(
+        self,
+        agent_name: str,
+        backend: str = "UCX",
+        copiers: int | None = None,
+        user_timeout_ms: int | None = None,
+    ) -> None:
+        """``user_timeout_ms``: the TCP user timeout to give UCX (see the module docstring
+        and :func:`tcp_user_timeout`); None leaves UCX's configuration as it is."""
         self.agent_name = agent_name
+        self.user_timeout: tuple[str, str] | None = None
+        if user_timeout_ms is not None:
+            self.user_timeout = tcp_user_timeout(user_timeout_ms)
         self._copier = Copier(agent_name, copy_threads() if copiers is None else copiers)
         self._agent: Any = nixl_agent(
             agent_name, nixl_agent_config(enable_prog_thread=False, backends=[])
@@ -119,6 +164,7 @@ class NixlTransport:
         self._count = 0
         self._sizes: np.ndarray = np.zeros(0, dtype=np.int64)
         self._peers: dict[str, bytes] = {}  # agent name -> the metadata loaded for it
+        self._broken: set[str] = set()  # peers a transfer failed to: loaded again before use
         self._notifs: list[tuple[str, bytes]] = []  # drained by progress(), not yet handed out
 
     def open_local(self, segments: Sequence[Segment]) -> None:
@@ -185,7 +231,7 @@ class NixlTransport:
         name = metadata_agent_name(metadata)
         if name == self.agent_name:
             raise TransportError(f"add_peer: the metadata is this agent's own ({name!r})")
-        if self._peers.get(name) == metadata:
+        if self._peers.get(name) == metadata and name not in self._broken:
             return name
         if name in self._peers:
             self.remove_peer(name)
@@ -214,12 +260,29 @@ class NixlTransport:
     def remove_peer(self, agent: str) -> None:
         """Forget a peer (unknown names are ignored). Transfers still in flight to it end:
         their ``poll`` raises TransportError; release them as usual."""
+        self._broken.discard(agent)
         if self._peers.pop(agent, None) is None:
             return
         try:
             self._agent.remove_remote_agent(agent)
         except Exception as exc:
             raise TransportError(f"remove_peer {agent!r}: {_reason(exc)}") from exc
+
+    def _reload(self, peer: str, what: str) -> None:
+        """Load a peer again after a failed transfer: NIXL keeps it disconnected until then.
+        Until this succeeds (the link may still be down) it stays known and broken, and the
+        next write tries again."""
+        with contextlib.suppress(Exception):  # not loaded any more is fine
+            self._agent.remove_remote_agent(peer)
+        try:
+            self._agent.add_remote_agent(self._peers[peer])
+            self._agent.make_connection(peer)
+        except Exception as exc:
+            raise TransportError(
+                f"{what}: peer {peer!r} is disconnected, and loading it again failed: "
+                f"{_reason(exc)}"
+            ) from exc
+        self._broken.discard(peer)
 
     def post_write(
         self,
@@ -234,6 +297,8 @@ class NixlTransport:
         ``notifications()`` after all the data. Returns a handle for ``poll``/``release``."""
         if peer not in self._peers:
             raise TransportError(f"{what}: peer {peer!r} is not known (no add_peer)")
+        if peer in self._broken:
+            self._reload(peer, what)
         if len(src) != len(dst) or not src:
             raise TransportError(
                 f"{what}: {len(src)} source descriptors for {len(dst)} destinations "
@@ -327,18 +392,31 @@ class NixlTransport:
         if xfer.done:  # every call into NIXL is a GIL hand-over (~15 µs next to a busy engine)
             return XferState.DONE
         try:
-            return _STATES[self._agent.check_xfer_state(xfer.handle)]
+            state = _STATES[self._agent.check_xfer_state(xfer.handle)]
         except Exception as exc:
+            self._broke(xfer)
             raise TransportError(self._failed(xfer, "the transfer failed", exc)) from exc
+        if state is XferState.ERR:
+            self._broke(xfer)
+        return state
+
+    def _broke(self, xfer: NixlXfer) -> None:
+        if xfer.peer is not None and xfer.peer in self._peers:
+            self._broken.add(xfer.peer)
 
     def release(self, xfer: NixlXfer | CopyJob) -> None:
-        """Free the handle. On a transfer that is still PROC this cancels it (the peer gets
-        no notification; some of the data may have been written); if NIXL cannot cancel
-        it, this raises TransportError and the transfer stays in flight."""
+        """Free the handle of a terminal transfer, or cancel a local copy still in flight.
+        A peer write still in flight is refused (TransportError, the write stays in flight):
+        UCX over TCP does not cancel it but resumes it when the link returns (see the
+        module docstring)."""
         if type(xfer) is CopyJob:
             self._copier.release(xfer)
             return
         assert isinstance(xfer, NixlXfer)
+        if xfer.peer is not None and not xfer.done and self._in_flight(xfer):
+            raise TransportError(
+                self._failed(xfer, "still in flight; a peer write is never cancelled")
+            )
         try:
             self._agent.release_xfer_handle(xfer.handle)
         except Exception as exc:
@@ -346,6 +424,12 @@ class NixlTransport:
         if xfer.remote is not None:
             xfer.remote.release()
             xfer.remote = None
+
+    def _in_flight(self, xfer: NixlXfer) -> bool:
+        try:
+            return bool(self._agent.check_xfer_state(xfer.handle) == "PROC")
+        except Exception:  # it failed: over
+            return False
 
     def _drop(self, xfer: NixlXfer) -> None:
         # if NIXL cannot release it, its handle wrapper keeps it for cleanup at agent exit

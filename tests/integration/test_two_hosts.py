@@ -1,0 +1,184 @@
+"""Peers on two hosts: UCX over TCP between two network namespaces (two_hosts.py).
+
+A worker on host a is the source, a worker on host b the destination; both are real
+processes with real NIXL agents and ZMQ control channels, driven through the public API
+(worker_proc.py). Their deadlines: operation 2 s, abandon 4 s; UCX's TCP user timeout is
+kvcr's default, the operation timeout.
+
+The faults are the kernel's: the veth link set down on both ends, or a queue on one end that
+passes packets slowly or nearly never. Each test leaves the link up and both workers quiet.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from two_hosts import TwoHosts, two_hosts
+
+MIB = 1 << 20
+BLOCK = 2 * MIB
+SIZES = (BLOCK, 64, 64)  # block bytes, pool blocks, engine region blocks
+OPERATION_S, ABANDON_S = 2.0, 4.0  # worker_proc.py's deadlines
+SLOW = "100mbit"  # 16 blocks (32 MiB) take ~2.7 s: longer than an operation may
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoHosts]:
+    logs = tmp_path_factory.mktemp("two-hosts")
+    with two_hosts() as made:
+        made.worker(made.a, "host-a", SIZES, log=logs / "a.log")
+        made.worker(made.b, "host-b", SIZES, log=logs / "b.log")
+        yield made
+
+
+@pytest.fixture
+def a(hosts: TwoHosts) -> Any:
+    return hosts.workers[0]
+
+
+@pytest.fixture
+def b(hosts: TwoHosts) -> Any:
+    return hosts.workers[1]
+
+
+_keys = iter(range(1000, 10**6, 100))
+
+
+def fresh_keys(count: int = 16) -> list[int]:
+    first = next(_keys)
+    return list(range(first, first + count))
+
+
+def deposited(source: Any, keys: list[int]) -> dict[int, int]:
+    """``keys`` computed and deposited at the source: their checksums."""
+    result = source("deposit", [(k, i, k) for i, k in enumerate(keys)])
+    assert {k: status for k, (status, _) in result.items()} == dict.fromkeys(keys, "SUCCESS")
+    return {k: sums[0] for k, (_, sums) in result.items()}
+
+
+def statuses(result: dict[str, Any]) -> dict[int, str]:
+    return {k: status for k, (status, _) in result["entries"].items()}
+
+
+def test_workers_advertise_their_host_and_bind_every_address(a, b, hosts) -> None:
+    assert a.endpoint.startswith(f"tcp://{hosts.a.addr}:")
+    assert b.endpoint.startswith(f"tcp://{hosts.b.addr}:")
+
+
+def test_kvcr_owned_blocks_reach_the_other_host_byte_exact(a, b) -> None:
+    keys = fresh_keys()
+    sums = deposited(a, keys)
+
+    result = b("soak_deliver", keys, a.endpoint, timeout=30)
+
+    assert statuses(result) == dict.fromkeys(keys, "SUCCESS")
+    assert {k: crc for k, (_, crc) in result["entries"].items()} == sums
+    assert result["query_after"] == ["FETCHABLE"] * len(keys)
+
+
+def test_engine_pinned_blocks_reach_the_other_host_and_are_released(a, b) -> None:
+    keys = fresh_keys()
+    sums = a("engine_has", [(k, 16 + i, k) for i, k in enumerate(keys)])
+    released = len(a("pin_state")["released"])
+
+    result = b("soak_deliver", keys, a.endpoint, timeout=30)
+
+    assert statuses(result) == dict.fromkeys(keys, "SUCCESS")
+    assert {k: crc for k, (_, crc) in result["entries"].items()} == {
+        k: s[0] for k, s in sums.items()
+    }
+    state = a("pin_state")
+    assert state["pinned"] == [] and len(state["released"]) == released + 1
+
+
+def test_a_fetch_lands_in_the_other_hosts_pool(a, b) -> None:
+    keys = fresh_keys(8)
+    sums = deposited(a, keys)
+
+    result = b("soak_fetch", keys, a.endpoint, timeout=30)
+
+    assert result == {k: ("SUCCESS", sums[k]) for k in keys}
+    b("soak_release", len(keys))
+
+
+def test_telemetry_counts_the_moves_on_both_hosts(a, b) -> None:
+    before_a, before_b = a("counters"), b("counters")
+    keys = fresh_keys(4)
+    deposited(a, keys)
+
+    b("soak_deliver", keys, a.endpoint, timeout=30)
+
+    after_a, after_b = a("counters"), b("counters")
+    grew = {
+        name: after.get(name, 0) - before.get(name, 0)
+        for before, after in ((before_a, after_a), (before_b, after_b))
+        for name in after
+    }
+    assert grew["kvcr_transfer_blocks{source_write}"] == 4
+    assert grew["kvcr_transfer_bytes{source_write}"] == 4 * BLOCK
+    assert grew["kvcr_transfer_blocks{remote_deliver}"] == 4
+    assert grew["kvcr_transfer_bytes{remote_deliver}"] == 4 * BLOCK
+
+
+def _cut_mid_write(hosts: TwoHosts, a: Any, b: Any, fault: str) -> dict[str, Any]:
+    """Start a slow 32 MiB pull, let 0.5 s of it pass, then apply ``fault``; the answers
+    and timings of everything that follows, with the link healed at the end."""
+    keys = fresh_keys()
+    sums = deposited(a, keys)
+    hosts.shape(hosts.a, SLOW)
+    events_before = len(b("events"))
+    handle, request = b("soak_deliver_start", keys, a.endpoint)
+    time.sleep(0.5)
+    started = time.monotonic()
+    if fault == "link down":
+        hosts.link(False)
+    elif fault == "source drops":
+        hosts.shape(hosts.a, "8bit")
+    elif fault == "destination drops":
+        hosts.shape(hosts.b, "8bit")
+    out: dict[str, Any] = {"keys": keys, "sums": sums, "handle": handle}
+    out["result"] = b("soak_deliver_finish", handle, request, keys, 10, timeout=30)
+    out["answered_s"] = time.monotonic() - started
+    out["source_quiet_s"] = a("soak_quiet", 10, timeout=30) + (time.monotonic() - started)
+    if fault != "destination drops":
+        # Nothing from the source gets through: the destination cannot know that the write
+        # is over, so its memory stays held until the source's word arrives.
+        with pytest.raises(RuntimeError, match="'pulls': 1"):
+            b("soak_quiet", 0.5, timeout=30)
+    out["events_down"] = b("events")[events_before:]
+    hosts.link(True)
+    hosts.unshape(hosts.a)
+    hosts.unshape(hosts.b)
+    out["destination_quiet_s"] = b("soak_quiet", 20, timeout=30)
+    out["events"] = b("events")[events_before:]
+    return out
+
+
+@pytest.mark.parametrize("fault", ["link down", "source drops", "destination drops"])
+def test_a_fault_mid_write_ends_every_operation_truthfully_and_the_link_heals(
+    hosts, a, b, fault
+) -> None:
+    cut = _cut_mid_write(hosts, a, b, fault)
+
+    # The engine hears at its operation deadline: nothing arrived for sure.
+    assert statuses(cut["result"]) == dict.fromkeys(cut["keys"], "FAILED")
+    assert cut["answered_s"] < OPERATION_S + 0.1
+    # The source's write ends by itself (UCX's TCP user timeout, the operation timeout)
+    # within the abandon timeout, and releases what it held.
+    assert cut["source_quiet_s"] < ABANDON_S + 0.1
+    # The destination's engine memory was reported uncertain, and quiesced only once the
+    # source said its write is over (after the link came back).
+    handle = cut["handle"]
+    if fault != "destination drops":
+        assert cut["events_down"] == [(handle, "uncertain")]
+    # (When only the destination's packets are lost, the source's word still reaches it.)
+    assert cut["events"] == [(handle, "uncertain"), (handle, "quiesced")]
+
+    # Without a restart, the next pull over the healed link moves every byte.
+    again = b("soak_deliver", cut["keys"], a.endpoint, timeout=30)
+    assert statuses(again) == dict.fromkeys(cut["keys"], "SUCCESS")
+    assert {k: crc for k, (_, crc) in again["entries"].items()} == cut["sums"]
