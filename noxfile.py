@@ -152,3 +152,15 @@ def crash_cold(session: nox.Session) -> None:
             for process in hogs:
                 process.kill()
                 process.wait()
+
+
+@nox.session(name="two-hosts")
+def two_hosts(session: nox.Session) -> None:
+    """The two-host tests (tests/integration/test_two_hosts.py: two network namespaces, UCX
+    over TCP, link faults) ``-- N`` times in a row (5), as root. Stops at the first
+    failing run."""
+    install(session)
+    runs = int(session.posargs[0]) if session.posargs else 5
+    for run in range(1, runs + 1):
+        session.log(f"two-hosts run {run}/{runs}")
+        session.run("pytest", "-q", "tests/integration/test_two_hosts.py", env=NIXL_ENV)

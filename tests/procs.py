@@ -152,7 +152,9 @@ class GuardProcess:
         extra: tuple[str, ...] = ("--idle-timeout-s", "0.5"),
         wait: bool = True,
         env: dict[str, str] | None = None,
+        prefix: Sequence[str] = (),
     ) -> None:
+        """``prefix``: see :func:`spawn`."""
         self.directory = Path(directory)
         self.socket_path = str(self.directory / "guard.sock")
         self.pool_dir = self.directory / "pools"
@@ -176,7 +178,7 @@ class GuardProcess:
         ]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvcr.kvcr_service", *self.args],
+                [*prefix, sys.executable, "-m", "kvcr.kvcr_service", *self.args],
                 stderr=log,
                 env={**os.environ, **(env or {})},
             )

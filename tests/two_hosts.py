@@ -26,11 +26,12 @@ import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
 
-from procs import SourceWorker
+from procs import GuardProcess, SourceWorker
 
 SUBNET = "198.18.0.0/24"
 _serial = itertools.count()
@@ -93,6 +94,7 @@ class TwoHosts:
         self.a = Host(f"kvcr-{tag}-a", f"kv{tag}a", "198.18.0.1")
         self.b = Host(f"kvcr-{tag}-b", f"kv{tag}b", "198.18.0.2")
         self.workers: list[SourceWorker] = []
+        self.guards: list[GuardProcess] = []
         self._made: list[str] = []
         try:
             for host in (self.a, self.b):
@@ -114,12 +116,25 @@ class TwoHosts:
         name: str,
         sizes: tuple[int, int, int],
         log: Path | None = None,
+        port: int | None = None,
+        guard: tuple[str, int, str] | None = None,
         **env: str,
     ) -> SourceWorker:
-        """A kvcr worker process (worker_proc.py) on ``host``."""
-        worker = SourceWorker(name, sizes, env=host.env(**env), log=log, prefix=host.prefix)
+        """A kvcr worker process (worker_proc.py) on ``host``, its control endpoint on
+        ``port`` (a free one by default), over a guard's group with ``guard`` (socket path,
+        group index, digest)."""
+        worker = SourceWorker(
+            name, sizes, port=port, guard=guard, env=host.env(**env), log=log, prefix=host.prefix
+        )
         self.workers.append(worker)
         return worker
+
+    def guard(self, host: Host, directory: Path, **kw: Any) -> GuardProcess:
+        """A guard service (``python -m kvcr.kvcr_service``) on ``host``; stopped in
+        ``close`` if the test did not stop it."""
+        guard = GuardProcess(directory, env=host.env(), prefix=host.prefix, **kw)
+        self.guards.append(guard)
+        return guard
 
     def link(self, up: bool, host: Host | None = None) -> None:
         """Set ``host``'s end of the pair (both ends by default) down or up: down, no
@@ -149,6 +164,11 @@ class TwoHosts:
             worker.proc.wait(10)
             worker.conn.close()
         self.workers.clear()
+        for guard in self.guards:
+            if guard.proc.poll() is None:
+                guard.proc.kill()
+            guard.proc.wait(10)
+        self.guards.clear()
         for ns in self._made:
             subprocess.run(
                 ["ip", "netns", "delete", ns], capture_output=True, timeout=10, check=False

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from procs import free_port, wait_until
 from two_hosts import TwoHosts, two_hosts
 
 MIB = 1 << 20
@@ -27,8 +29,13 @@ SLOW = "100mbit"  # 16 blocks (32 MiB) take ~2.7 s: longer than an operation may
 
 
 @pytest.fixture(scope="module")
-def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoHosts]:
-    logs = tmp_path_factory.mktemp("two-hosts")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The workers' stderr: their log events."""
+    return tmp_path_factory.mktemp("two-hosts")
+
+
+@pytest.fixture(scope="module")
+def hosts(logs: Path) -> Iterator[TwoHosts]:
     with two_hosts() as made:
         made.worker(made.a, "host-a", SIZES, log=logs / "a.log")
         made.worker(made.b, "host-b", SIZES, log=logs / "b.log")
@@ -182,3 +189,135 @@ def test_a_fault_mid_write_ends_every_operation_truthfully_and_the_link_heals(
     again = b("soak_deliver", cut["keys"], a.endpoint, timeout=30)
     assert statuses(again) == dict.fromkeys(cut["keys"], "SUCCESS")
     assert {k: crc for k, (_, crc) in again["entries"].items()} == cut["sums"]
+
+
+def test_a_link_back_before_the_user_timeout_lets_the_write_finish_late(hosts, a, b) -> None:
+    keys = fresh_keys()
+    deposited(a, keys)
+    hosts.shape(hosts.a, SLOW)
+    written = a("counters").get("kvcr_transfer_blocks{source_write}", 0)
+    handle, request = b("soak_deliver_start", keys, a.endpoint)
+    time.sleep(0.3)
+    hosts.link(False)
+    time.sleep(0.5)  # shorter than the TCP user timeout: the connection survives
+    hosts.link(True)
+
+    result = b("soak_deliver_finish", handle, request, keys, 10, timeout=30)
+    hosts.unshape(hosts.a)
+
+    # Too late for the operation, which failed at its deadline; the write itself went on
+    # and ended well, and only then was the destination memory quiesced.
+    assert statuses(result) == dict.fromkeys(keys, "FAILED")
+    a("soak_quiet", 10, timeout=30)
+    b("soak_quiet", 10, timeout=30)
+    assert a("counters")["kvcr_transfer_blocks{source_write}"] == written + len(keys)
+    assert b("events")[-2:] == [(handle, "uncertain"), (handle, "quiesced")]
+
+
+def test_the_guard_serves_a_dead_workers_blocks_to_the_other_host(hosts, b, tmp_path) -> None:
+    guard = hosts.guard(hosts.a, tmp_path, guard_count=1, pool_sizes_gb="0.0625")  # 32 blocks
+    dead = hosts.worker(
+        hosts.a,
+        "host-a-guarded",
+        SIZES,
+        log=tmp_path / "guarded.log",
+        guard=(guard.socket_path, 0, guard.digest),
+    )
+    keys = fresh_keys(6)
+    sums = deposited(dead, keys)
+    assert statuses(b("soak_deliver", keys[:1], dead.endpoint, timeout=30)) == {keys[0]: "SUCCESS"}
+    dead.kill()
+    wait_until(lambda: guard.states()[0] == ("serving", None), what="takeover")
+
+    # The same endpoint, served by the guard on host a now, over TCP to host b.
+    result = b("soak_deliver", keys, dead.endpoint, timeout=30)
+
+    assert statuses(result) == dict.fromkeys(keys, "SUCCESS")
+    assert {k: crc for k, (_, crc) in result["entries"].items()} == sums
+    assert guard.stop() == 0, guard.log()
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        "198.18.0.99:5555",  # on the link, but no host has the address
+        "198.18.0.1:{free}",  # the source's host, a port nobody listens on
+        "203.0.113.7:5555",  # no route at all
+    ],
+)
+def test_a_hint_naming_an_endpoint_nobody_answers_fails_at_the_deadline(a, b, logs, where) -> None:
+    keys = fresh_keys(4)
+    deposited(a, keys)
+    endpoint = "tcp://" + where.format(free=free_port())
+
+    result = b("soak_deliver", keys, endpoint, timeout=30)
+
+    assert statuses(result) == dict.fromkeys(keys, "FAILED")
+    assert result["seconds"] < OPERATION_S + 0.3
+    # The greeting goes on for abandon_timeout_ms, then the endpoint is reported.
+    said = f"peer_unreachable agent='host-b' endpoint='{endpoint}'"
+    wait_until(lambda: said in (logs / "b.log").read_text(), ABANDON_S + 1, "peer_unreachable")
+    assert b("soak_quiet", 5, timeout=30) < 1
+
+
+def test_a_destination_whose_metadata_names_no_reachable_address(hosts, a, logs) -> None:
+    # Its UCX advertises only its loopback, which the source cannot reach.
+    lonely = hosts.worker(hosts.b, "host-b-lo", SIZES, log=logs / "lo.log", UCX_NET_DEVICES="lo")
+    keys = fresh_keys(4)
+    deposited(a, keys)
+
+    result = lonely("soak_deliver", keys, a.endpoint, timeout=30)
+
+    assert statuses(result) == dict.fromkeys(keys, "FAILED")
+    assert result["seconds"] < OPERATION_S + 0.3
+    said = (logs / "a.log").read_text()
+    assert "kind='bad_metadata'" in said and "peer 'host-b-lo'" in said
+    assert "check UCX_NET_DEVICES and UCX_TLS on both hosts" in said
+    assert lonely("soak_quiet", 5, timeout=30) < 1
+    assert a("soak_quiet", 5, timeout=30) < 1
+    lonely.stop()
+
+
+def test_a_ucx_device_that_does_not_exist_fails_the_start_and_says_so(hosts, tmp_path) -> None:
+    log = tmp_path / "nodev.log"
+    with pytest.raises((EOFError, OSError)):
+        hosts.worker(hosts.b, "host-b-nodev", SIZES, log=log, UCX_NET_DEVICES="nosuchdev")
+    said = log.read_text()
+    assert "NIXL agent 'host-b-nodev': backend 'UCX' failed to start" in said
+    assert "UCX_NET_DEVICES='nosuchdev'" in said
+
+
+def test_a_source_killed_while_the_link_is_down_is_let_go_when_it_restarts(
+    hosts, b, tmp_path
+) -> None:
+    source = hosts.worker(hosts.a, "host-a-doomed", SIZES, log=tmp_path / "doomed.log")
+    keys = fresh_keys()
+    deposited(source, keys)
+    hosts.shape(hosts.a, SLOW)
+    handle, request = b("soak_deliver_start", keys, source.endpoint)
+    time.sleep(0.5)
+    hosts.link(False)
+    source.kill()
+    started = time.monotonic()
+
+    result = b("soak_deliver_finish", handle, request, keys, 10, timeout=30)
+
+    assert statuses(result) == dict.fromkeys(keys, "FAILED")
+    assert time.monotonic() - started < OPERATION_S
+    hosts.link(True)
+    hosts.unshape(hosts.a)
+    # Nobody can say that the dead source's write is over: the memory stays held...
+    with pytest.raises(RuntimeError, match="'pulls': 1"):
+        b("soak_quiet", 1.0, timeout=30)
+    assert b("events")[-1] == (handle, "uncertain")
+
+    # ... until a new process answers at its endpoint: the old one is gone for sure.
+    again = hosts.worker(
+        hosts.a, "host-a-again", SIZES, log=tmp_path / "again.log", port=source.port
+    )
+    sums = deposited(again, keys)
+    result = b("soak_deliver", keys, again.endpoint, timeout=30)
+    assert statuses(result) == dict.fromkeys(keys, "SUCCESS")
+    assert {k: crc for k, (_, crc) in result["entries"].items()} == sums
+    b("soak_quiet", 10, timeout=30)
+    assert (handle, "quiesced") in b("events")

@@ -407,14 +407,14 @@ class Source(Part):
         if xfer.done.is_set():
             return
         if not self.stalled:
-            self.log.warning("source_stalled", agent=job.agent, req=job.msg.req)
+            self.log.warning("source_stalled", to=job.agent, req=job.msg.req)
         job.move("late")
         with trio.move_on_at(clock.abandon_at):
             await xfer.done.wait()
         if xfer.done.is_set():
             return
         if self.transfers.cancel(xfer):
-            self.log.warning("source_write_cancelled", agent=job.agent, req=job.msg.req)
+            self.log.warning("source_write_cancelled", to=job.agent, req=job.msg.req)
             return
         job.move("abandon_deadline")
         handle = self.op_ids()

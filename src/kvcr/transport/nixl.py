@@ -96,6 +96,13 @@ def tcp_user_timeout(timeout_ms: int) -> tuple[str, str]:
     return value, "kvcr"
 
 
+def _ucx_settings() -> str:
+    """The UCX settings a failed start most often comes from, as set here."""
+    named = [f"{k}={os.environ[k]!r}" for k in ("UCX_NET_DEVICES", "UCX_TLS") if k in os.environ]
+    where = f" ({', '.join(named)})" if named else ""
+    return f"; check that UCX_NET_DEVICES names this host's interfaces{where}"
+
+
 def _reason(exc: BaseException) -> str:
     name = type(exc).__name__
     return f"{_REASONS.get(name, name)} [{exc}]"
@@ -158,6 +165,7 @@ class NixlTransport:
         except Exception as exc:
             raise TransportError(
                 f"NIXL agent {agent_name!r}: backend {backend!r} failed to start: {exc}"
+                f"{_ucx_settings()}"
             ) from exc
         self._registrations: list[Any] = []
         self._local: Any = None
@@ -238,8 +246,14 @@ class NixlTransport:
         try:
             loaded = self._agent.add_remote_agent(metadata)
         except Exception as exc:
+            unreachable = (
+                " (UCX finds no way to the addresses it names: check UCX_NET_DEVICES and "
+                "UCX_TLS on both hosts)"
+                if type(exc).__name__ == "nixlBackendError"
+                else ""
+            )
             raise TransportError(
-                f"add_peer: NIXL refused the metadata of peer {name!r}: {_reason(exc)}"
+                f"add_peer: NIXL refused the metadata of peer {name!r}: {_reason(exc)}{unreachable}"
             ) from exc
         loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         if loaded != name:  # the metadata format moved under us: fail loudly, not silently
