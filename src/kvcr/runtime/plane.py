@@ -62,7 +62,7 @@ class Plane:
         """Bad input from a peer: counted, one log event per kind, never a crash."""
         self.dropped[kind] += 1
         if self.dropped[kind] == 1:
-            self.log.warning("peer_message_dropped", kind=kind, detail=detail[:200])
+            self.log.warning("peer_message_dropped", kind=kind, detail=detail[:400])
 
     def open(self, raw: bytes, malformed: str) -> m.Message | None:
         """Authenticate (with a cluster key) and parse one message, or drop it."""

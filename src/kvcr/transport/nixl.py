@@ -247,8 +247,8 @@ class NixlTransport:
             loaded = self._agent.add_remote_agent(metadata)
         except Exception as exc:
             unreachable = (
-                " (UCX finds no way to the addresses it names: check UCX_NET_DEVICES and "
-                "UCX_TLS on both hosts)"
+                " (UCX finds no way to its addresses: check UCX_NET_DEVICES and UCX_TLS "
+                "on both hosts)"
                 if type(exc).__name__ == "nixlBackendError"
                 else ""
             )
