@@ -67,6 +67,11 @@ def deposited(source: Any, keys: list[int]) -> dict[int, int]:
     return {k: sums[0] for k, (_, sums) in result.items()}
 
 
+def tail(log: Path, lines: int = 30) -> str:
+    """The end of a worker's log (printed: pytest shows it when a test fails)."""
+    return "\n".join(log.read_text().splitlines()[-lines:])
+
+
 def statuses(result: dict[str, Any]) -> dict[int, str]:
     return {k: status for k, (status, _) in result["entries"].items()}
 
@@ -167,9 +172,10 @@ def _cut_mid_write(hosts: TwoHosts, a: Any, b: Any, fault: str) -> dict[str, Any
 
 @pytest.mark.parametrize("fault", ["link down", "source drops", "destination drops"])
 def test_a_fault_mid_write_ends_every_operation_truthfully_and_the_link_heals(
-    hosts, a, b, fault
+    hosts, a, b, logs, fault
 ) -> None:
     cut = _cut_mid_write(hosts, a, b, fault)
+    print(cut, "\n--- a:\n", tail(logs / "a.log"), "\n--- b:\n", tail(logs / "b.log"))
 
     # The engine hears at its operation deadline: nothing arrived for sure.
     assert statuses(cut["result"]) == dict.fromkeys(cut["keys"], "FAILED")
@@ -180,10 +186,15 @@ def test_a_fault_mid_write_ends_every_operation_truthfully_and_the_link_heals(
     # The destination's engine memory was reported uncertain, and quiesced only once the
     # source said its write is over (after the link came back).
     handle = cut["handle"]
-    if fault != "destination drops":
+    held = [(handle, "uncertain"), (handle, "quiesced")]
+    if fault == "destination drops":
+        # Only the destination's packets are lost, so the source's word reaches it, before
+        # or after the operation's deadline (TCP's retransmission timing decides); both are
+        # truthful: the memory is held and reported until that word, or never past it.
+        assert cut["events"] in ([], held)
+    else:
         assert cut["events_down"] == [(handle, "uncertain")]
-    # (When only the destination's packets are lost, the source's word still reaches it.)
-    assert cut["events"] == [(handle, "uncertain"), (handle, "quiesced")]
+        assert cut["events"] == held
 
     # Without a restart, the next pull over the healed link moves every byte.
     again = b("soak_deliver", cut["keys"], a.endpoint, timeout=30)

@@ -443,13 +443,24 @@ class Peers(Part):
             event = "refused_unread"
             if pull.link.ready.is_set():
                 pull.link.ready = trio.Event()
+        self._drain()
         self._finish_pull(pull, event, [], msg.reason)
+
+    def _drain(self) -> None:
+        """Apply what already reached this host of a write whose source has given up on it,
+        before its memory is handed back: over TCP the data comes before the source's word
+        (same path, in order) but may still wait in a socket for NIXL's next call."""
+        try:
+            self.transport.progress()
+        except TransportError as exc:
+            self.log.warning("transport_progress_failed", error=str(exc))
 
     def _on_probe_ack(self, msg: m.ProbeAck) -> None:
         pull = self._find_pull(msg.sender, msg.incarnation, msg.req)
         if pull is None:
             return  # the pull ended meanwhile: a late answer is normal
         if msg.state == "over":
+            self._drain()
             self._finish_pull(pull, "probe_over", [], pull.reason or "the source dropped the pull")
 
     def _finish_pull(self, pull: RemotePull, event: str, written: list[int], reason: str) -> None:
