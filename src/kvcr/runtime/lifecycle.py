@@ -30,7 +30,8 @@ Source, a :class:`~kvcr.runtime.source.SourceJob` (:data:`JOB`)::
 probe, nothing to write, or the pins' deadline, ``operation_timeout_ms`` from the pull's
 arrival). A write is timed from its posting: ``late`` is ``operation_timeout_ms`` with the
 write still running, and the source stops taking new pulls until it ends. At
-``abandon_timeout_ms`` the write is cancelled if NIXL can; if not, engine memory it reads is
+``abandon_timeout_ms`` the write is cancelled if the transport can (a NIXL peer write never
+is: over TCP it would resume later); if not, engine memory it reads is
 reported ``uncertain`` and ``quiesced`` follows at ``end``. Claims and pins are released at
 ``end`` and nowhere else. On the wire (``ProbeAck.state``) a job is ``pending``, ``writing``
 (any state of a running write) or ``over``.

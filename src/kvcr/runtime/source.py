@@ -15,7 +15,8 @@ Deadlines (``ops.Deadlines``; the states are ``lifecycle.JOB``): a pull still wa
 pins ``operation_timeout_ms`` after its arrival is dropped (``Over``). A write is timed
 from its posting: still running ``operation_timeout_ms`` later, it stalls this source,
 which refuses new pulls until it ends; still running at ``abandon_timeout_ms``, it is
-cancelled, or if NIXL cannot, the pinned engine memory is ``uncertain``
+cancelled if the transport can (NIXL peer writes never are), otherwise the pinned engine
+memory is ``uncertain``
 (``TransferError``) and ``quiesced`` follows when the write is terminal. A destination's
 ``Probe`` with ``cancel`` drops a pull that has not started writing.
 """
@@ -398,8 +399,8 @@ class Source(Part):
 
     async def _watch_write(self, job: SourceJob) -> None:
         """A write running past the operation timeout stalls this source; one still running
-        at the abandon timeout is cancelled (a hung destination never ends it); if it cannot
-        be cancelled, the engine's pinned memory is reported uncertain until it ends."""
+        at the abandon timeout is cancelled if the transport can; if not (a NIXL peer
+        write), the engine's pinned memory is reported uncertain until it ends."""
         xfer, clock = job.xfer, job.write_clock
         assert xfer is not None and clock is not None
         with trio.move_on_at(clock.deadline):
