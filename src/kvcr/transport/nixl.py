@@ -82,6 +82,11 @@ _MD_PREFIX = b"nixlSerDes|Agent"
 
 
 USER_TIMEOUT_ENV = "UCX_TCP_USER_TIMEOUT"
+_DISCONNECTS = {"nixlRemoteDisconnectError"}
+
+
+class _Disconnected(TransportError):
+    """NIXL refused to post a write: the peer's connection is broken."""
 
 
 def tcp_user_timeout(timeout_ms: int) -> tuple[str, str]:
@@ -342,6 +347,19 @@ class NixlTransport:
         remote_descs = np.zeros((len(pairs), 3), dtype=np.int64)
         remote_descs[:, :2] = pairs
         try:
+            return self._write(index, remote_descs, peer, notif, what)
+        except _Disconnected:
+            # Refused at post, so nothing of it moved: the connection went bad since the
+            # last write (a link failure seen from the other direction, say). Load the peer
+            # again and post once more, on fresh prepared lists.
+            self._broken.add(peer)
+            self._reload(peer, what)
+            return self._write(index, remote_descs, peer, notif, what)
+
+    def _write(
+        self, index: np.ndarray, remote_descs: np.ndarray, peer: str, notif: bytes, what: str
+    ) -> NixlXfer:
+        try:
             remote = self._agent.prep_xfer_dlist(peer, remote_descs, "DRAM")
         except Exception as exc:
             raise TransportError(
@@ -353,7 +371,7 @@ class NixlTransport:
                 self._local,
                 index.astype(np.int32),
                 remote,
-                np.arange(len(pairs), dtype=np.int32),
+                np.arange(len(remote_descs), dtype=np.int32),
                 notif,
             )
         except Exception as exc:
@@ -390,7 +408,8 @@ class NixlTransport:
             state = self._agent.transfer(xfer.handle)
         except Exception as exc:
             self._drop(xfer)
-            raise TransportError(self._failed(xfer, "NIXL failed to post it", exc)) from exc
+            failed = _Disconnected if type(exc).__name__ in _DISCONNECTS else TransportError
+            raise failed(self._failed(xfer, "NIXL failed to post it", exc)) from exc
         if state == "ERR":
             self._drop(xfer)
             raise TransportError(self._failed(xfer, "NIXL failed to post it"))
