@@ -164,3 +164,11 @@ def two_hosts(session: nox.Session) -> None:
     for run in range(1, runs + 1):
         session.log(f"two-hosts run {run}/{runs}")
         session.run("pytest", "-q", "tests/integration/test_two_hosts.py", env=NIXL_ENV)
+
+
+@nox.session
+def scale(session: nox.Session) -> None:
+    """benchmarks/scale.py: takeover, warm start, memory and per-key costs at 10k, 100k and
+    1M resident blocks (``-- --quick``: 10k and 100k). ~6 GiB of /dev/shm at 1M."""
+    install(session)
+    session.run("python", "benchmarks/scale.py", *session.posargs, env=NIXL_ENV)

@@ -1,0 +1,230 @@
+"""Scale: what grows with the number of resident blocks, at 10k, 100k and 1M (issue 19).
+
+Run: ``uv run python benchmarks/scale.py [--quick] [--json-only]`` (``--quick``: 10k and
+100k only, ~1 min; the full run ~4 min and ~6 GiB of /dev/shm); ``nox -s scale``.
+
+Blocks are 4 KiB so that a million fit this machine: the bookkeeping is per block, not per
+byte. For each count N, one guard service with one group of N blocks:
+
+1. **fill**: a KVCR over the group (this process) deposits N blocks, 1,000 a call, from a
+   1,000-element engine region. Then, in this process, at N resident:
+   - ``rss``: anonymous memory (``RssAnon``: the pools are shared mappings) grown per
+     resident block, from before the instance existed to after the fill;
+   - ``gc objects``: objects the cyclic garbage collector tracks, grown per resident block;
+   - ``gc.collect``: a full collection, ms, after the fill (beside the same before it);
+   - ``query``: a call for 1,024 keys, µs per key, all HIT and all MISS;
+   - ``deposit``: 1,024 new keys into the full pool (each evicts one), from the engine call
+     to the poll that returned the last entry, µs per key (the 4 KiB copies included:
+     ~0.5 µs each at memcpy speed);
+   - ``align_sequence`` for 1,024 resident keys: the engine call, and until an empty
+     deliver made after it is answered (the runtime takes commands in order), beside that
+     fence alone, µs.
+2. **warm start**: constructing a KVCR over the group that now holds N committed blocks
+   (replay of its journal), until the constructor returns; checked by a query of all N.
+3. **takeover**: a holder process (``recovery_holder.py``) claims the group (warm), is
+   SIGKILLed, and the service serves the group: from the kill until ``status`` says
+   ``serving``, and the service's own ``took_over`` figure; the second of two (the first
+   also starts the service's NIXL agent).
+
+Each row is beside the same figure at 10k (the baseline column), so the ratio is the growth.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import common
+from common import Row, arguments, log, report
+from local import all_success
+from recovery import DIGEST, HOLDER, Instance, guard_service
+
+BLOCK = 4 * common.KIB
+BATCH = 1000  # keys per fill call, and elements of the engine region
+PROBE = 1024  # keys per query, deposit and align_sequence measurement
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(8, "big")
+
+
+def rss_anon() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon in /proc/self/status")
+
+
+def full_collect_ms() -> float:
+    t0 = time.perf_counter()
+    gc.collect()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def fill(inst: Instance, n: int) -> None:
+    for first in range(0, n, BATCH):
+        count = min(BATCH, n - first)
+        handle = inst.kv.deposit({key(first + i): inst.engine.ref(i) for i in range(count)})
+        all_success("fill", inst.engine.wait(handle, count), count)
+
+
+def best_of(times: int, measure: Any) -> float:
+    return min(measure() for _ in range(times))
+
+
+def measure_filled(service: common.GuardService, n: int, region: Any) -> dict[str, float]:
+    """Fill the group with n blocks from this process; the figures taken at n resident."""
+    out: dict[str, float] = {}
+    gc.collect()
+    rss0, objects0 = rss_anon(), len(gc.get_objects())
+    out["gc_before_ms"] = best_of(3, full_collect_ms)
+    inst = Instance(service, f"scale-{os.getpid()}-{n}", BLOCK, region)
+    try:
+        fill(inst, n)
+        gc.collect()
+        out["rss_per_block"] = (rss_anon() - rss0) / n
+        out["gc_objects_per_block"] = (len(gc.get_objects()) - objects0) / n
+        out["gc_after_ms"] = best_of(3, full_collect_ms)
+        kv = inst.kv
+        hits = [key(i) for i in range(0, n, max(1, n // PROBE))][:PROBE]
+        misses = [key(n + 10**9 + i) for i in range(PROBE)]
+        for name, keys in (("query_hit_us", hits), ("query_miss_us", misses)):
+            out[name] = best_of(5, lambda keys=keys: timed_call(kv.query, keys)) / len(keys)
+        out["align_call_us"] = best_of(5, lambda: timed_call(kv.align_sequence, hits))
+        out["align_us"] = best_of(5, lambda: fenced(inst, lambda: kv.align_sequence(hits)))
+        out["fence_us"] = best_of(5, lambda: fenced(inst, lambda: None))
+        fresh = iter(range(n + 2 * 10**9, n + 3 * 10**9))
+        deposits = []
+        for _ in range(7):
+            blocks = {key(next(fresh)): inst.engine.ref(i % BATCH) for i in range(PROBE)}
+            elapsed, got = inst.engine.timed(lambda b=blocks: kv.deposit(b), PROBE)
+            all_success("deposit", got, PROBE)
+            deposits.append(elapsed)
+        out["deposit_us"] = common.percentile(deposits[2:], 50) / PROBE * 1e6
+        out["resident"] = inst.runtime.gauges()["local_g2_blocks"]
+    finally:
+        inst.close()
+    return out
+
+
+def fenced(inst: Instance, call: Any) -> float:
+    """µs from ``call`` until an empty deliver made after it is answered: the runtime takes
+    commands in order, so this covers the call's work there (beside the fence alone)."""
+    kv = inst.kv
+    t0 = time.perf_counter()
+    call()
+    fence = kv.deliver({})
+    while not any(handle == fence for handle, _ in kv.poll_completed()):
+        time.sleep(0)
+    return (time.perf_counter() - t0) * 1e6
+
+
+def timed_call(call: Any, arg: Any) -> float:
+    """µs of one engine call."""
+    t0 = time.perf_counter()
+    call(arg)
+    return (time.perf_counter() - t0) * 1e6
+
+
+def measure_warm_start(service: common.GuardService, n: int, region: Any, resident: int) -> float:
+    """ms to construct a KVCR over the group holding ``resident`` committed blocks (about
+    n: the deposit measurement evicted some and added others); all must come back."""
+    t0 = time.perf_counter()
+    inst = Instance(service, f"scale-warm-{os.getpid()}-{n}", BLOCK, region)
+    elapsed = time.perf_counter() - t0
+    try:
+        found = inst.runtime.gauges()["local_g2_blocks"]
+        if found != resident:
+            raise RuntimeError(f"warm start: {found} of {resident} blocks recovered")
+    finally:
+        inst.close()
+    return elapsed * 1e3
+
+
+def measure_takeover(service: common.GuardService, n: int) -> tuple[float, float]:
+    """(ms from SIGKILL of a holder of the group until ``serving``, the service's own
+    ``took_over`` ms), the second of two: the first takeover of a service also starts its
+    NIXL agent. Each holder starts warm over the group (taking it back from the service the
+    second time) and deposits its keys again (hits), so it holds what the group holds."""
+    return [take_over_once(service, n) for _ in range(2)][-1]
+
+
+def take_over_once(service: common.GuardService, n: int) -> tuple[float, float]:
+    holder = subprocess.Popen(
+        [sys.executable, str(HOLDER), service.socket_path, str(service.port), str(n), DIGEST],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout is not None
+    if holder.stdout.readline().strip() != "ready":
+        raise RuntimeError("the holder did not start")
+    t0 = time.perf_counter()
+    holder.kill()
+    while service.state(0) != "serving":
+        time.sleep(0.0005)
+    kill_to_serving = (time.perf_counter() - t0) * 1e3
+    holder.wait()
+    return kill_to_serving, service.log_seconds("took_over")[-1] * 1e3
+
+
+def bench(n: int, quiet: bool) -> dict[str, float]:
+    region = common.randomized(BLOCK * BATCH, seed=n)
+    service = guard_service(BLOCK * (n + 64))
+    try:
+        log(f"{n} blocks: fill and measure", quiet)
+        out = measure_filled(service, n, region)
+        log(f"{n} blocks: warm start", quiet)
+        out["warm_start_ms"] = measure_warm_start(service, n, region, int(out["resident"]))
+        log(f"{n} blocks: takeover", quiet)
+        out["takeover_ms"], out["took_over_ms"] = measure_takeover(service, n)
+    finally:
+        service.stop()
+    return out
+
+
+ROWS = (  # figure, what it is, unit
+    ("takeover_ms", "SIGKILL of the holder -> status says serving", "ms"),
+    ("took_over_ms", "holder exit -> serving (the service's took_over)", "ms"),
+    ("warm_start_ms", "warm start: construct over the group", "ms"),
+    ("rss_per_block", "anonymous RSS per resident block", "B"),
+    ("gc_objects_per_block", "GC-tracked objects per resident block", "objects"),
+    ("gc_after_ms", "full gc.collect() after the fill", "ms"),
+    ("gc_before_ms", "full gc.collect() before the instance", "ms"),
+    ("query_hit_us", "query, 1,024 resident keys", "us/key"),
+    ("query_miss_us", "query, 1,024 missing keys", "us/key"),
+    ("deposit_us", "deposit of 1,024 new keys into the full pool (copies included)", "us/key"),
+    ("align_call_us", "align_sequence of 1,024 resident keys: the engine call", "us"),
+    ("align_us", "align_sequence of 1,024 resident keys, until a fence after it", "us"),
+    ("fence_us", "the fence alone (an empty deliver, answered)", "us"),
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments(__doc__.split("\n\n")[0], "10k and 100k blocks only (~1 min)", argv)
+    counts = (10_000, 100_000) if args.quick else (10_000, 100_000, 1_000_000)
+    started = time.monotonic()
+    figures = {n: bench(n, args.json_only) for n in counts}
+    rows: list[Row] = []
+    base = figures[counts[0]]
+    for name, what, unit in ROWS:
+        for n in counts:
+            baseline = base[name] if n != counts[0] else None
+            rows.append(
+                Row("scale", f"{n // 1000}k blocks: {what}", figures[n][name], unit, baseline)
+            )
+    notes = [
+        "4 KiB blocks; baseline column: the same figure at 10k blocks (the ratio is the growth)",
+        f"this process's Python: {sys.version.split()[0]}, gc thresholds {gc.get_threshold()}",
+    ]
+    report(rows, notes, "kvcr at scale", args, time.monotonic() - started)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
