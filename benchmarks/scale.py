@@ -48,6 +48,10 @@ BATCH = 1000  # keys per fill call, and elements of the engine region
 PROBE = 1024  # keys per query, deposit and align_sequence measurement
 
 
+def count(n: int) -> str:
+    return f"{n // 10**6}M" if n >= 10**6 else f"{n // 1000}k"
+
+
 def key(i: int) -> bytes:
     return i.to_bytes(8, "big")
 
@@ -216,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in counts:
             baseline = base[name] if n != counts[0] else None
             rows.append(
-                Row("scale", f"{n // 1000}k blocks: {what}", figures[n][name], unit, baseline)
+                Row("scale", f"{count(n)} blocks: {what}", figures[n][name], unit, baseline)
             )
     notes = [
         "4 KiB blocks; baseline column: the same figure at 10k blocks (the ratio is the growth)",
