@@ -185,3 +185,22 @@ def test_status_lists_every_group_with_its_holder_terms_and_endpoint(groups) -> 
 def test_a_service_needs_at_least_one_group() -> None:
     with pytest.raises(ValueError, match="guard count must be >= 1"):
         Groups(0, [4096], "d")
+
+
+def test_a_group_too_large_for_its_journal_is_refused_at_the_claim_with_the_numbers() -> None:
+    # 1M blocks of 4 KiB in one pool fit the 100 MiB journal (40 bytes a key at 32-byte
+    # keys, 52 MB a half); 2M do not; 1.2M fit in one pool, not with a slot in a second.
+    fits = Groups(1, [4096 << 20], "d1")
+    assert fits.check_claim(request(pool_layouts=[("", 4096)]), PID) is None
+    too_many = Groups(1, [4096 << 21], "d1")
+    refusal = too_many.check_claim(request(pool_layouts=[("", 4096)]), PID)
+    assert refusal is not None and refusal.code == "layout_mismatch"
+    assert "pools hold 2097152 blocks" in refusal.message
+    assert "needs 83886" in refusal.message and "104857600-byte recovery journal" in refusal.message
+    one_pool = Groups(1, [4096 * 1_200_000], "d1")
+    assert one_pool.check_claim(request(pool_layouts=[("", 4096)]), PID) is None
+    two_pools = Groups(1, [4096 * 1_200_000] * 2, "d1")
+    assert two_pools.check_claim(request(), PID) is not None
+    # G3 files count too: their keys are journaled beside the pool's.
+    g3 = G3Description(["/g3/a", "/g3/b"], 4096 << 19, "POSIX", {})
+    assert fits.check_claim(request(pool_layouts=[("", 4096)], g3=g3), PID) is not None

@@ -126,6 +126,41 @@ def encode_entries(entries: Iterable[tuple[int, bytes, tuple[int, ...]]]) -> byt
     return bytes(out)
 
 
+def encode_snapshot(entries: Iterable[tuple[int, bytes, tuple[int, ...]]]) -> bytes:
+    """The live state as one payload of batch entries, one per shape (op, key length,
+    values): ~8 bytes a key smaller than one entry each, and a snapshot's entries are all
+    puts of distinct (tier, key) pairs, so their order does not matter."""
+    shapes: dict[tuple[int, int, int], tuple[list[bytes], list[tuple[int, ...]]]] = {}
+    for op, key, values in entries:
+        keys, vals = shapes.setdefault((op, len(key), len(values)), ([], []))
+        keys.append(key)
+        vals.append(values)
+    out = bytearray()
+    for (op, _, _), (keys, vals) in shapes.items():
+        batch = encode_batch(op, keys, vals)
+        out += batch if batch is not None else encode_entries(zip([op] * len(keys), keys, vals))
+    return bytes(out)
+
+
+# Sizing: the keys engines give (content hashes: 8-32 bytes); a longer key still works, but
+# a full group of them may not fit a snapshot (recovery is then disabled, and logged).
+SIZING_KEY_BYTES = 32
+G3_VALUES = 2  # a G3 entry's values: file slot, generation
+
+
+def snapshot_bytes(g2_keys: int, pools: int, g3_keys: int = 0) -> int:
+    """The most a snapshot of ``g2_keys`` keys in G2 (one slot in each of ``pools``) and
+    ``g3_keys`` in G3 takes, at keys of ``SIZING_KEY_BYTES``."""
+    g2 = g2_keys * (SIZING_KEY_BYTES + 8 * pools)
+    g3 = g3_keys * (SIZING_KEY_BYTES + 8 * G3_VALUES)
+    return g2 + g3 + 2 * BATCH_HEAD.size + FRAME_HEAD.size + CRC.size + 8
+
+
+def half_bytes(journal_bytes: int) -> int:
+    """What one half of a journal region of ``journal_bytes`` holds: a snapshot must fit."""
+    return _layout(journal_bytes)
+
+
 def apply_payload(
     state: dict[bytes, Residency], payload: bytes | memoryview, g3: dict | None = None
 ) -> bool:
@@ -431,7 +466,7 @@ class Writer:
         target = 1 - self._active if self._active in (0, 1) else 0
         self._epoch += 1
         self._active, self._pos, self._seq = target, 0, 0
-        snapshot = encode_entries(self._live())
+        snapshot = encode_snapshot(self._live())
         fits = self._append(snapshot) if snapshot else True
         self.disabled = not fits
         self._disabled_at, self._pending_at_disable = len(snapshot), 0

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import attrs
 
+from kvcr.guard import journal
+from kvcr.guard.pools import JOURNAL_BYTES
 from kvcr.guard.protocol import ClaimRequest, G3Description, GroupStatus
 
 # state -> {event: next state}
@@ -96,10 +98,13 @@ def _same_control(
 class Groups:
     """All pool groups of one service and the rules that lend them."""
 
-    def __init__(self, count: int, pool_sizes: list[int], digest: str) -> None:
+    def __init__(
+        self, count: int, pool_sizes: list[int], digest: str, journal_bytes: int = JOURNAL_BYTES
+    ) -> None:
         if count < 1:
             raise ValueError(f"guard count must be >= 1, got {count}")
         self.digest = digest
+        self.journal_bytes = journal_bytes
         self.groups = [Group(index=i, pool_sizes=tuple(pool_sizes)) for i in range(count)]
         self._next_lease = 1
 
@@ -162,7 +167,27 @@ class Groups:
                     "layout_mismatch",
                     f"{what}: pool {name!r} block size {block} exceeds its pool of {size} bytes",
                 )
-        return None
+        return self._check_journal(what, group, request)
+
+    def _check_journal(self, what: str, group: Group, request: ClaimRequest) -> Refusal | None:
+        """A full group must fit one snapshot in its journal, or recovery would be disabled
+        once it fills: say so now, with the numbers, rather than at the overflow."""
+        layouts = request.pool_layouts
+        blocks = min(size // block for (_, block), size in zip(layouts, group.pool_sizes))
+        g3 = request.g3
+        g3_blocks = len(g3.paths) * (g3.capacity_bytes_per_file // layouts[0][1]) if g3 else 0
+        need = journal.snapshot_bytes(blocks, len(layouts), g3_blocks)
+        half = journal.half_bytes(self.journal_bytes)
+        if need <= half:
+            return None
+        in_g3 = f" and its G3 files {g3_blocks}" if g3_blocks else ""
+        return Refusal(
+            "layout_mismatch",
+            f"{what}: the group's pools hold {blocks} blocks{in_g3}; a snapshot of their keys "
+            f"({journal.SIZING_KEY_BYTES}-byte keys) needs {need} bytes, and half of the "
+            f"{self.journal_bytes}-byte recovery journal holds {half}: use larger blocks, "
+            "smaller pools or more groups",
+        )
 
     def _check_terms(self, what: str, group: Group, request: ClaimRequest) -> Refusal | None:
         terms = group.terms
