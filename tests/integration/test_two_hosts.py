@@ -305,26 +305,26 @@ def test_the_guard_serves_a_dead_workers_blocks_to_the_other_host(hosts, b, tmp_
     assert guard.stop() == 0, guard.log()
 
 
-@pytest.mark.parametrize(
-    "where",
-    [
-        "198.18.0.99:5555",  # on the link, but no host has the address
-        "198.18.0.1:{free}",  # the source's host, a port nobody listens on
-        "203.0.113.7:5555",  # no route at all
-    ],
-)
-def test_a_hint_naming_an_endpoint_nobody_answers_fails_at_the_deadline(a, b, logs, where) -> None:
+def test_hints_naming_endpoints_nobody_answers_fail_at_the_deadline(a, b, logs) -> None:
+    endpoints = [
+        "tcp://198.18.0.99:5555",  # on the link, but no host has the address
+        f"tcp://198.18.0.1:{free_port()}",  # the source's host, a port nobody listens on
+        "tcp://203.0.113.7:5555",  # no route at all
+    ]
     keys = fresh_keys(4)
     deposited(a, keys)
-    endpoint = "tcp://" + where.format(free=free_port())
+    started = time.monotonic()
 
-    result = b("soak_deliver", keys, endpoint, timeout=30)
+    pulls = [b("soak_deliver_start", keys, endpoint) for endpoint in endpoints]
+    results = [b("soak_deliver_finish", *pull, keys, 10, timeout=30) for pull in pulls]
 
-    assert statuses(result) == dict.fromkeys(keys, "FAILED")
-    assert result["seconds"] < OPERATION_S + 0.3
-    # The greeting goes on for abandon_timeout_ms, then the endpoint is reported.
-    said = f"peer_unreachable agent='host-b' endpoint='{endpoint}'"
-    wait_until(lambda: said in (logs / "b.log").read_text(), ABANDON_S + 1, "peer_unreachable")
+    for result in results:
+        assert statuses(result) == dict.fromkeys(keys, "FAILED")
+    assert time.monotonic() - started < OPERATION_S + 0.5
+    # Each is greeted for abandon_timeout_ms, then reported by its endpoint.
+    for endpoint in endpoints:
+        said = f"peer_unreachable agent='host-b' endpoint='{endpoint}'"
+        wait_until(lambda s=said: s in (logs / "b.log").read_text(), ABANDON_S + 1, said)
     assert b("soak_quiet", 5, timeout=30) < 1
 
 
