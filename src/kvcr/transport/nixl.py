@@ -34,10 +34,12 @@ Between hosts UCX moves the data over TCP, and a write does not end when the lin
   lands in memory the destination may have handed back by then. So a peer write still in
   flight is never released here (``release`` refuses it): it ends on its own.
 - With a TCP user timeout (``UCX_TCP_USER_TIMEOUT``) the connection is closed once data
-  stays unacknowledged that long: the write ends with ``nixlRemoteDisconnectError`` ~0.1 s
-  after the timeout, and nothing of it lands afterwards. Unless the operator set one, the
-  first agent of the process sets it to the operation timeout (``tcp_user_timeout``), which
-  ends a stalled write well before ``abandon_timeout_ms`` (at least twice as long).
+  stays unacknowledged that long: the write ends with ``nixlRemoteDisconnectError``, and
+  nothing of it lands afterwards. TCP checks the timeout when its retransmission timer
+  fires: one to two timeouts after the data was last acknowledged (1.6-3.0 s at 2 s).
+  Unless the operator set one, the first agent of the process sets it to the operation
+  timeout (``tcp_user_timeout``): a stalled write mostly ends before ``abandon_timeout_ms``
+  (at least twice as long), and a write that does not is held until it does.
 - After such an error the agent keeps that peer marked disconnected, even once the link is
   back: every later write to it fails. A peer whose transfer failed is therefore loaded
   again (``remove_remote_agent``, ``add_remote_agent`` with the same metadata, a new
