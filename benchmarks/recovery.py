@@ -185,6 +185,27 @@ def bench_warm_start(rows: list[Row], nblocks: int, reps: int, quiet: bool) -> N
 HOLDER = Path(__file__).resolve().parent / "recovery_holder.py"
 
 
+def kill_a_holder(service: common.GuardService, nblocks: int) -> float:
+    """Start a holder of ``nblocks`` blocks over group 0 (``recovery_holder.py``), SIGKILL
+    it once it is ready: the seconds until ``status`` says the group is served."""
+    holder = subprocess.Popen(
+        [sys.executable, str(HOLDER), service.socket_path, str(service.port), str(nblocks), DIGEST],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout is not None
+    if holder.stdout.readline().strip() != "ready":
+        raise RuntimeError("the holder did not start")
+    t0 = time.perf_counter()
+    holder.kill()
+    while service.state(0) != "serving":
+        time.sleep(0.0005)
+    elapsed = time.perf_counter() - t0
+    holder.wait()
+    return elapsed
+
+
 def bench_takeover(rows: list[Row], nblocks: int, reps: int, quiet: bool) -> None:
     service = guard_service(4 * KIB * 20000, groups=2)
     kill_to_serving: list[float] = []
@@ -193,27 +214,7 @@ def bench_takeover(rows: list[Row], nblocks: int, reps: int, quiet: bool) -> Non
     try:
         for rep in range(reps):
             log(f"takeover: {nblocks} blocks, rep {rep}", quiet)
-            holder = subprocess.Popen(
-                [
-                    sys.executable,
-                    str(HOLDER),
-                    service.socket_path,
-                    str(service.port),
-                    str(nblocks),
-                    DIGEST,
-                ],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            if holder.stdout.readline().strip() != "ready":
-                raise RuntimeError("the holder did not start")
-            t0 = time.perf_counter()
-            holder.kill()
-            while service.state(0) != "serving":
-                time.sleep(0.0005)
-            kill_to_serving.append(time.perf_counter() - t0)
-            holder.wait()
+            kill_to_serving.append(kill_a_holder(service, nblocks))
             t0 = time.perf_counter()
             hold = service.client.claim(0, [("", 4 * KIB)], DIGEST, ("127.0.0.1", service.port))
             claim_served.append(time.perf_counter() - t0)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import gc
 import os
-import subprocess
 import sys
 import time
 from typing import Any
@@ -41,7 +40,7 @@ from typing import Any
 import common
 from common import Row, arguments, log, report
 from local import all_success
-from recovery import DIGEST, HOLDER, Instance, guard_service
+from recovery import Instance, guard_service, kill_a_holder
 
 BLOCK = 4 * common.KIB
 BATCH = 1000  # keys per fill call, and elements of the engine region
@@ -159,21 +158,7 @@ def measure_takeover(service: common.GuardService, n: int) -> tuple[float, float
 
 
 def take_over_once(service: common.GuardService, n: int) -> tuple[float, float]:
-    holder = subprocess.Popen(
-        [sys.executable, str(HOLDER), service.socket_path, str(service.port), str(n), DIGEST],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert holder.stdout is not None
-    if holder.stdout.readline().strip() != "ready":
-        raise RuntimeError("the holder did not start")
-    t0 = time.perf_counter()
-    holder.kill()
-    while service.state(0) != "serving":
-        time.sleep(0.0005)
-    kill_to_serving = (time.perf_counter() - t0) * 1e3
-    holder.wait()
+    kill_to_serving = kill_a_holder(service, n) * 1e3
     return kill_to_serving, service.log_seconds("took_over")[-1] * 1e3
 
 
