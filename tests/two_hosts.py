@@ -52,8 +52,9 @@ def _tc(*args: str) -> None:
 
 def why_not() -> str | None:
     """Why two hosts cannot be made here (None: they can)."""
-    if shutil.which("ip") is None:
-        return "two hosts need iproute2's `ip` (not installed)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"two hosts need iproute2's `{tool}` (not installed)"
     if os.geteuid() != 0:
         return "two hosts need network namespaces: run the suite as root"
     probe = f"kvcr-probe-{os.getpid()}"
