@@ -34,20 +34,22 @@ import pytest
 
 from procs import GuardProcess, SourceWorker
 
-SUBNET = "198.18.0.0/24"
 _serial = itertools.count()
 
 
-def _ip(*args: str) -> None:
-    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10, check=False)
+def _run(*command: str) -> None:
+    """An iproute2 command (``ip`` or ``tc``); RuntimeError with its words if it fails."""
+    done = subprocess.run(command, capture_output=True, text=True, timeout=10, check=False)
     if done.returncode != 0:
-        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip() or done.returncode}")
+        raise RuntimeError(f"{' '.join(command)}: {done.stderr.strip() or done.returncode}")
+
+
+def _ip(*args: str) -> None:
+    _run("ip", *args)
 
 
 def _tc(*args: str) -> None:
-    done = subprocess.run(["tc", *args], capture_output=True, text=True, timeout=10, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"tc {' '.join(args)}: {done.stderr.strip() or done.returncode}")
+    _run("tc", *args)
 
 
 def why_not() -> str | None:
