@@ -170,7 +170,11 @@ class Runtime(Part):
                     task_status.started()
                     # Cross-host writes end at UCX's TCP user timeout: say which one holds.
                     timeout = getattr(transport, "user_timeout", None)
-                    extra = {"ucx_tcp_user_timeout": timeout[0]} if timeout else {}
+                    extra = (
+                        {"ucx_tcp_user_timeout": timeout[0], "set_by": timeout[1]}
+                        if timeout
+                        else {}
+                    )
                     self.log.info("runtime_started", pools=self.memory.pool_names, **extra)
                     await self._pump()
                     ops.cancel_scope.cancel()

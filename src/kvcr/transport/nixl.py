@@ -84,7 +84,7 @@ _MD_PREFIX = b"nixlSerDes|Agent"
 
 
 USER_TIMEOUT_ENV = "UCX_TCP_USER_TIMEOUT"
-_DISCONNECTS = {"nixlRemoteDisconnectError"}
+_DISCONNECT = "nixlRemoteDisconnectError"
 
 
 class _Disconnected(TransportError):
@@ -133,10 +133,11 @@ def metadata_agent_name(metadata: bytes) -> str:
 class NixlXfer:
     """A posted transfer: the NIXL handle and what error messages need."""
 
-    __slots__ = ("done", "handle", "peer", "remote", "what")
+    __slots__ = ("done", "handle", "over", "peer", "remote", "what")
 
     def __init__(self, handle: Any, what: str, peer: str | None, remote: Any) -> None:
-        self.done = False  # NIXL said DONE when it was posted (loopback copies usually)
+        self.done = False  # NIXL said DONE (at its posting or a poll): no need to ask again
+        self.over = False  # NIXL said it is over, DONE or failed: safe to release
         self.handle = handle
         self.what = what
         self.peer = peer  # None for a local copy
@@ -410,12 +411,12 @@ class NixlTransport:
             state = self._agent.transfer(xfer.handle)
         except Exception as exc:
             self._drop(xfer)
-            failed = _Disconnected if type(exc).__name__ in _DISCONNECTS else TransportError
+            failed = _Disconnected if type(exc).__name__ == _DISCONNECT else TransportError
             raise failed(self._failed(xfer, "NIXL failed to post it", exc)) from exc
         if state == "ERR":
             self._drop(xfer)
             raise TransportError(self._failed(xfer, "NIXL failed to post it"))
-        xfer.done = state == "DONE"
+        xfer.done = xfer.over = state == "DONE"
         return xfer
 
     def poll(self, xfer: NixlXfer | CopyJob) -> XferState:
@@ -429,14 +430,18 @@ class NixlTransport:
         try:
             state = _STATES[self._agent.check_xfer_state(xfer.handle)]
         except Exception as exc:
-            self._broke(xfer)
+            self._ended(xfer, failed=True)
             raise TransportError(self._failed(xfer, "the transfer failed", exc)) from exc
-        if state is XferState.ERR:
-            self._broke(xfer)
+        if state is not XferState.PROC:
+            self._ended(xfer, failed=state is XferState.ERR)
         return state
 
-    def _broke(self, xfer: NixlXfer) -> None:
-        if xfer.peer is not None and xfer.peer in self._peers:
+    def _ended(self, xfer: NixlXfer, failed: bool) -> None:
+        """A poll found the transfer over. The peer of a failed one is loaded again before
+        the next write to it."""
+        xfer.over = True
+        xfer.done = not failed  # a failed one keeps answering its failure when polled
+        if failed and xfer.peer is not None and xfer.peer in self._peers:
             self._broken.add(xfer.peer)
 
     def release(self, xfer: NixlXfer | CopyJob) -> None:
@@ -448,7 +453,8 @@ class NixlTransport:
             self._copier.release(xfer)
             return
         assert isinstance(xfer, NixlXfer)
-        if xfer.peer is not None and not xfer.done and self._in_flight(xfer):
+        # A poll said whether it is over; Transfers.cancel asks without one, so ask NIXL.
+        if xfer.peer is not None and not xfer.over and self._in_flight(xfer):
             raise TransportError(
                 self._failed(xfer, "still in flight; a peer write is never cancelled")
             )
