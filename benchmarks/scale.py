@@ -16,9 +16,12 @@ byte. For each count N, one guard service with one group of N blocks:
    - ``deposit``: 1,024 new keys into the full pool (each evicts one), from the engine call
      to the poll that returned the last entry, µs per key (the 4 KiB copies included:
      ~0.5 µs each at memcpy speed);
+   - ``deliver``: 1,024 resident keys into the engine region, the same way;
+   - the baseline: ``memmove`` of 4 KiB blocks between two shared mappings, µs per block,
+     and deposit and deliver less it (their bookkeeping);
    - ``align_sequence`` for 1,024 resident keys: the engine call, and until an empty
      deliver made after it is answered (the runtime takes commands in order), beside that
-     fence alone, µs.
+     fence alone, and the difference (the align's own work), µs.
 2. **warm start**: constructing a KVCR over the group that now holds N committed blocks
    (replay of its journal), until the constructor returns; checked by a query of all N.
 3. **takeover**: a holder process (``recovery_holder.py``) claims the group (warm), is
@@ -31,6 +34,7 @@ Each row is beside the same figure at 10k (the baseline column), so the ratio is
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import sys
@@ -109,10 +113,35 @@ def measure_filled(service: common.GuardService, n: int, region: Any) -> dict[st
             all_success("deposit", got, PROBE)
             deposits.append(elapsed)
         out["deposit_us"] = common.percentile(deposits[2:], 50) / PROBE * 1e6
+        delivers = []
+        for _ in range(7):
+            wanted = {k: inst.engine.ref(i % BATCH) for i, k in enumerate(hits)}
+            elapsed, got = inst.engine.timed(lambda w=wanted: kv.deliver(w), len(hits))
+            all_success("deliver", got, len(hits))
+            delivers.append(elapsed)
+        out["deliver_us"] = common.percentile(delivers[2:], 50) / len(hits) * 1e6
+        out["copy_us"] = copy_us()
+        out["deposit_over_copy_us"] = out["deposit_us"] - out["copy_us"]
+        out["deliver_over_copy_us"] = out["deliver_us"] - out["copy_us"]
+        out["align_work_us"] = out["align_us"] - out["fence_us"]
         out["resident"] = inst.runtime.gauges()["local_g2_blocks"]
     finally:
         inst.close()
     return out
+
+
+def copy_us() -> float:
+    """The baseline: µs per block of ``memmove`` of PROBE blocks between two mappings of
+    4 KiB shared pages (the pools' kind), median of 7."""
+    src, dst = common.shared_pages(BLOCK * PROBE, 1), common.shared_pages(BLOCK * PROBE)
+    s, d = src.ctypes.data, dst.ctypes.data
+    times = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        for i in range(PROBE):
+            ctypes.memmove(d + i * BLOCK, s + i * BLOCK, BLOCK)
+        times.append(time.perf_counter() - t0)
+    return common.percentile(times, 50) / PROBE * 1e6
 
 
 def fenced(inst: Instance, call: Any) -> float:
@@ -188,9 +217,14 @@ ROWS = (  # figure, what it is, unit
     ("query_hit_us", "query, 1,024 resident keys", "us/key"),
     ("query_miss_us", "query, 1,024 missing keys", "us/key"),
     ("deposit_us", "deposit of 1,024 new keys into the full pool (copies included)", "us/key"),
+    ("deliver_us", "deliver of 1,024 resident keys (copies included)", "us/key"),
+    ("copy_us", "baseline: memmove of a 4 KiB block between shared mappings", "us/key"),
+    ("deposit_over_copy_us", "deposit bookkeeping: deposit less the memmove baseline", "us/key"),
+    ("deliver_over_copy_us", "deliver bookkeeping: deliver less the memmove baseline", "us/key"),
     ("align_call_us", "align_sequence of 1,024 resident keys: the engine call", "us"),
     ("align_us", "align_sequence of 1,024 resident keys, until a fence after it", "us"),
     ("fence_us", "the fence alone (an empty deliver, answered)", "us"),
+    ("align_work_us", "align_sequence's own work: until the fence, less the fence", "us"),
 )
 
 

@@ -307,7 +307,7 @@ class Soak:
             self.pins.engine_has[key(k)] = HELD + i
 
     def resident(self) -> list[int]:
-        return sorted(int.from_bytes(k, "big") for k in list(self.runtime.index.blocks))
+        return sorted(int.from_bytes(k, "big") for k in list(self.runtime.index.recs))
 
     def _busy(self) -> dict[str, int]:
         """What is still in flight in the instance (all zero once quiet)."""
@@ -380,9 +380,7 @@ class Soak:
             "handles_runtime": sorted(int.from_bytes(k, "big") for k in local.handles.values()),
             "handles_live": len(self.runtime.shared.live_handles),
             "claims": {
-                int.from_bytes(k, "big"): b.claims
-                for k, b in list(rt.index.blocks.items())
-                if b.claims
+                int.from_bytes(b.key, "big"): b.claims for b in list(rt.index.blocks()) if b.claims
             },
             "resilience": events,
             "callbacks_off_thread": list(self.recorder.threads.wrong),

@@ -21,6 +21,7 @@ from kvcr.hint_book import HintBook
 from kvcr.hints import RouterHint, parse_router_hint
 from kvcr.instance import Instance
 from kvcr.runtime.commands import Abort, Align, Connect, Deliver, Deposit, Fetch, Hinted, Release
+from kvcr.runtime.index import MISS, BlockIndex
 from kvcr.types import (
     BlockKey,
     CacheTier,
@@ -34,7 +35,6 @@ from kvcr.types import (
 
 __all__ = ["KVCR", "KVCRBindings"]
 
-MISS = (QueryStatus.MISS, None)
 REMOTE = (QueryStatus.FETCHABLE, CacheTier.REMOTE_G2)
 
 
@@ -82,7 +82,7 @@ class KVCR:
         self._open_ops = shared.open_ops
         self._live_handles = shared.live_handles
         self._engine = instance.engine
-        self._view = instance.runtime.index.view
+        self._index: BlockIndex = instance.runtime.index
         self._g3_view = instance.runtime.g3_view
         self._outbox = shared.outbox
         self._commands = shared.commands
@@ -166,13 +166,12 @@ class KVCR:
         self, keys: Sequence[BlockKey], request_id: str | None = None
     ) -> list[tuple[QueryStatus, CacheTier | None]]:
         self._check_open("query")
-        view = self._view
-        answers: list[tuple[QueryStatus, CacheTier | None]] = [view.get(key, MISS) for key in keys]
-        g3 = self._g3_view
-        if g3:  # the file tier comes after local G2 and before a peer
+        answers = self._index.answers(keys)
+        g3 = self._g3_view.index
+        if g3 is not None and g3.ready_count:  # the file tier: after local G2, before a peer
             for i, answer in enumerate(answers):
                 if answer is MISS:
-                    answers[i] = g3.get(keys[i], MISS)
+                    answers[i] = g3.answer(keys[i])
         # Without a control channel no peer can be asked: a hint covers nothing.
         hint = self._live_hint(request_id) if self._bindings.framework_control else None
         if hint is not None:
@@ -197,8 +196,8 @@ class KVCR:
         hint = self._live_hint(request_id)
         if hint is None:
             return None
-        view = self._view
-        covered = frozenset(k for k in keys if k not in view and self._hint_covers(hint, k))
+        index = self._index
+        covered = frozenset(k for k in keys if k not in index and self._hint_covers(hint, k))
         return Hinted(hint.source_control_endpoint, request_id, covered) if covered else None
 
     def _hint_covers(self, hint: RouterHint, key: BlockKey) -> bool:

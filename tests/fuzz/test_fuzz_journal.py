@@ -202,14 +202,14 @@ def forged_payloads(draw: st.DrawFn) -> bytes:
 @example(payload=journal.BATCH_HEAD.pack(journal.BATCH, journal.REMOVE_G3, 0xFFFFFFFF, 0, 0))
 def test_a_forged_payload_is_applied_whole_or_not_at_all_and_quickly(payload) -> None:
     case("journal bytes")
-    g2 = {b"before": journal.Residency(journal.PUT_G2, (1,))}
-    g3: dict = {}
+    state = journal.DictState()
+    state[b"before"] = journal.Residency(journal.PUT_G2, (1,))
     started = time.perf_counter()
-    ok = journal.apply_payload(g2, payload, g3)
+    ok = journal.apply_payload(state, payload)
     # Decoding costs time in proportion to the payload, whatever its headers claim.
     assert time.perf_counter() - started < 0.5
     if not ok:
-        assert g2 == {b"before": journal.Residency(journal.PUT_G2, (1,))} and g3 == {}
+        assert state == {b"before": journal.Residency(journal.PUT_G2, (1,))} and state.g3 == {}
 
 
 @fuzz(200)
@@ -227,13 +227,15 @@ def test_a_warm_start_over_forged_frames_takes_only_records_that_fit_the_index(p
         pos += len(raw)
     index = BlockIndex([SlotPool("k", 4096, 8), SlotPool("v", 4096, 8)])
 
-    blocks, kept = recover(index, memoryview(buf), LOG)
+    replayed, _ = recover(index, memoryview(buf), LOG)
 
+    blocks = list(index.blocks())
     taken = [[b.slots[p] for b in blocks] for p in range(2)]
     for p, slots in enumerate(taken):
         assert len(set(slots)) == len(slots) and all(0 <= s < 8 for s in slots)
         assert index.pools[p].free == 8 - len(slots)
-    assert all(r.tier == journal.PUT_G3 for r in kept.values())
+    assert index.audit()["double"] == 0
+    assert all(r.tier == journal.PUT_G3 for r in replayed.g3.values())
 
 
 def test_a_batch_claiming_billions_of_empty_entries_is_decoded_at_once() -> None:
@@ -242,7 +244,8 @@ def test_a_batch_claiming_billions_of_empty_entries_is_decoded_at_once() -> None
     # which froze the guard service's journal follower. Those entries are all the same
     # removal, so the batch now applies as one.
     payload = journal.BATCH_HEAD.pack(journal.BATCH, journal.REMOVE, 0xFFFFFFFF, 0, 0)
-    g2 = {b"": journal.Residency(journal.PUT_G2, (1,)), b"k": journal.Residency(1, (2,))}
+    g2 = journal.DictState()
+    g2.update({b"": journal.Residency(journal.PUT_G2, (1,)), b"k": journal.Residency(1, (2,))})
     started = time.perf_counter()
     assert journal.apply_payload(g2, payload)
     assert time.perf_counter() - started < 0.1

@@ -87,7 +87,7 @@ def k(i: int) -> bytes:
 async def test_stored_blocks_read_back_byte_exact(world) -> None:
     stored = await store(world.tier, [(k(i), i) for i in range(6)], "spill")
     assert stored == {k(i) for i in range(6)}
-    assert all(world.tier.view[k(i)] == FETCHABLE_G3 for i in range(6))
+    assert all(world.tier.index.answer(k(i)) == FETCHABLE_G3 for i in range(6))
 
     got = await read(world.tier, [(k(i), HOST + i) for i in range(6)], "fill")
 

@@ -112,7 +112,7 @@ class Ledger:
                 self.violations.append(f"{access} of engine element {index}: not lent")
             return
         free = self.runtime.index.pools[0].free_slots
-        owner = next((b for b in self.runtime.index.blocks.values() if b.slots[0] == index), None)
+        owner = next((b for b in self.runtime.index.blocks() if b.slots[0] == index), None)
         if index in free:
             self.violations.append(f"{access} of free G2 slot {index}")
         elif access == "read" and (owner is None or owner.state is not BlockState.READY):
@@ -220,8 +220,9 @@ class Ledger:
 
     def check_committed_bytes(self) -> None:
         """Every committed block in G2 holds exactly the bytes of its key."""
-        for k, block in self.runtime.index.blocks.items():
-            assert self.slot_crc(block.slots[0]) == self.expected[k], f"G2 {k!r}: wrong bytes"
+        for block in self.runtime.index.blocks():
+            expected = self.expected[block.key]
+            assert self.slot_crc(block.slots[0]) == expected, f"G2 {block.key!r}: wrong bytes"
 
     async def wait(self, handle: int) -> set[str]:
         while len(self.ops[handle].answers) < len(self.ops[handle].keys):
@@ -495,7 +496,7 @@ def finish_stuck(scene: Scene) -> Callable[[], None]:
             assert ledger.answered()
             assert any(op.uncertain and not op.quiesced for op in ledger.ops.values())
             assert ledger.runtime.index.audit()["quarantined"] or any(
-                b.claims for b in ledger.runtime.index.blocks.values()
+                b.claims for b in ledger.runtime.index.blocks()
             ), "memory under a live transfer must stay held"
             for xfer in stuck:
                 transport.finish(xfer)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcr.runtime.index import FETCHING, HIT, BlockIndex, BlockState, SlotPool
+from kvcr.runtime.index import FETCHING, HIT, MISS, BlockIndex, BlockState, SlotPool
 
 
 def make_index(slots: int = 4, pools: int = 1) -> BlockIndex:
@@ -30,12 +30,13 @@ def test_a_key_takes_one_slot_in_every_pool() -> None:
 def test_view_follows_the_record_state() -> None:
     index = make_index()
     block = index.add_filling(b"a", now=0.0)
-    assert index.view[b"a"] == FETCHING
+    assert index.answers([b"a"]) == [FETCHING]
     index.commit(block, 1.0)
-    assert index.view[b"a"] == HIT
+    assert index.answers([b"a", b"b"]) == [HIT, MISS]
     assert block.state is BlockState.READY
     index.remove(block)
-    assert b"a" not in index.view
+    assert b"a" not in index and index.answers([b"a"]) == [MISS]
+    assert block.state is BlockState.GONE  # the view outlives its record, safely
     assert index.free_keys == 4
 
 
@@ -43,7 +44,7 @@ def test_a_detached_record_keeps_its_slots_until_released() -> None:
     index = make_index(slots=1)
     block = index.add_filling(b"a", now=0.0)
     index.detach(block)
-    assert index.get(b"a") is None and b"a" not in index.view
+    assert index.get(b"a") is None and index.answer(b"a") == MISS
     assert index.free_keys == 0  # quarantined: a transfer may still write the slot
     index.release_slots(block)
     assert index.free_keys == 1
@@ -107,11 +108,11 @@ def test_evict_removes_the_lowest_scored_evictable_blocks_in_one_pass() -> None:
 
     evicted = index.evict(2)
 
-    assert [b.key for b in evicted] == [b"b", b"c"]
-    assert index.get(b"b") is None and b"c" not in index.view
+    assert evicted == [b"b", b"c"]
+    assert index.get(b"b") is None and b"c" not in index
     assert index.pools[0].free == 8 - 3  # a, d and e keep theirs
     assert index.get(b"a").queued is False  # claimed: out of the queue, as with victims
-    assert [b.key for b in index.evict(8)] == [b"d"]
+    assert index.evict(8) == [b"d"]
 
 
 def test_a_batch_commits_at_once_in_score_order() -> None:
@@ -120,19 +121,18 @@ def test_a_batch_commits_at_once_in_score_order() -> None:
 
     index.commit_many(blocks, [3.0, 1.0, 2.0])
 
-    assert all(b.state is BlockState.READY and index.view[b.key] == HIT for b in blocks)
+    assert all(b.state is BlockState.READY and index.answer(b.key) == HIT for b in blocks)
     assert [b.key for b in index.victims(lambda b: 0.0)] == [b"b", b"c", b"a"]
 
 
 def test_a_tier_can_publish_its_own_answers_and_nothing_while_filling() -> None:
-    view: dict = {}
-    index = BlockIndex([SlotPool("g3", 4096, 4)], ready=FETCHING, filling=None, view=view)
+    index = BlockIndex([SlotPool("g3", 4096, 4)], ready=FETCHING, filling=None)
     (block,) = index.add_filling_batch([b"a"], now=0.0)
-    assert view == {}  # not answerable until committed
+    assert index.answer(b"a") == MISS  # not answerable until committed
     index.commit_many([block], [0.0])
-    assert view == {b"a": FETCHING}
+    assert index.answer(b"a") == FETCHING
     index.remove(block)
-    assert view == {}
+    assert index.answer(b"a") == MISS
 
 
 @settings(max_examples=200, deadline=None)
@@ -183,5 +183,7 @@ def test_audit_accounts_for_every_slot() -> None:
     assert index.audit()["quarantined"] == 2  # one per pool
     index.release_slots(a)
     assert index.audit()["quarantined"] == 0
-    index.pools[0].release(0)  # a slot handed back twice
-    assert index.audit()["double"] == 1
+    with pytest.raises(ValueError, match="slot 0 released twice"):
+        index.pools[0].release(0)
+    with pytest.raises(ValueError, match="not quarantined"):
+        index.release_slots(a)  # a stale view frees nothing

@@ -25,14 +25,15 @@ def index() -> BlockIndex:
 
 def test_valid_g2_records_become_ready_blocks_in_their_slots() -> None:
     idx = index()
-    blocks, kept = recover(
+    replayed, resume = recover(
         idx, written([(journal.PUT_G2, b"a", (3, 5)), (journal.PUT_G2, b"b", (0, 0))]), LOG
     )
-    assert {(b.key, b.slots, b.state, b.claims) for b in blocks} == {
+    assert {(b.key, b.slots, b.state, b.claims) for b in idx.blocks()} == {
         (b"a", (3, 5), BlockState.READY, 0),
         (b"b", (0, 0), BlockState.READY, 0),
     }
-    assert kept == {}
+    assert replayed.g3 == {} and replayed.skipped == 0
+    assert resume is not None  # the index is exactly the journal: a writer may go on
     assert idx.pools[0].free == 6 and idx.pools[1].free == 6
     assert [idx.pools[0].take() for _ in range(6)] == [1, 2, 4, 5, 6, 7]  # 0 and 3 stay taken
 
@@ -47,9 +48,10 @@ def test_records_that_do_not_fit_this_index_are_skipped_and_counted() -> None:
     ]
     idx = index()
     with capture_events() as events:
-        blocks, kept = recover(idx, written(entries), LOG)
-    assert [b.key for b in blocks] == [b"first"]
-    assert kept == {b"on-disk": journal.Residency(journal.PUT_G3, (7, 4096))}
+        replayed, resume = recover(idx, written(entries), LOG)
+    assert [b.key for b in idx.blocks()] == [b"first"]
+    assert replayed.g3 == {b"on-disk": journal.Residency(journal.PUT_G3, (7, 4096))}
+    assert resume is None  # the journal names what the index left out: start over
     (event,) = [e for e in events if e["event"] == "recovered"]
     assert event["skipped"] == 3 and event["blocks"] == 1 and event["g3_records"] == 1
 
@@ -57,8 +59,8 @@ def test_records_that_do_not_fit_this_index_are_skipped_and_counted() -> None:
 def test_the_mirror_snapshots_the_index_and_publishes_commits_and_removals() -> None:
     idx = index()
     buf = written([(journal.PUT_G3, b"on-disk", (7, 4096))])
-    _, kept = recover(idx, buf, LOG)
-    mirror = Mirror(buf, idx, kept, group=3, log=LOG)
+    replayed, _ = recover(idx, buf, LOG)
+    mirror = Mirror(buf, idx, replayed.g3, group=3, log=LOG)
     idx.journal = mirror
     block = idx.add_filling(b"new", now=0.0)
     idx.commit(block, score=0.0)
@@ -128,3 +130,119 @@ def test_the_journal_fill_level_is_a_state_gauge() -> None:
         idx.commit(idx.add_filling(b"k%d" % i, now=0.0), score=0.0)
     idx.flush_journal()
     assert 0 <= before < mirror.fill_percent < 100
+
+
+def filled(n: int, pools: int = 1) -> tuple[BlockIndex, memoryview]:
+    """An index of n committed blocks mirrored into a journal big enough for them."""
+    idx = BlockIndex([SlotPool(f"p{i}", 4096, n + 16) for i in range(pools)])
+    buf = memoryview(bytearray(journal.DATA_START + 2 * journal.snapshot_bytes(n, pools)))
+    idx.journal = Mirror(buf, idx, {}, group=0, log=LOG)
+    keys = [b"key-%08d" % i for i in range(n)]
+    for first in range(0, n, 1000):
+        for block in idx.add_filling_batch(keys[first : first + 1000], now=float(first)):
+            idx.commit(block, score=float(first))
+        idx.flush_journal()
+    return idx, buf
+
+
+def contents(idx: BlockIndex) -> dict[bytes, tuple[int, ...]]:
+    return {b.key: b.slots for b in idx.blocks() if b.state is BlockState.READY}
+
+
+def test_a_hundred_thousand_blocks_come_back_in_the_slots_they_had() -> None:
+    before, buf = filled(100_000, pools=2)
+    for block in list(before.blocks())[::7]:  # some evicted since: journaled removals
+        before.remove(block)
+    before.flush_journal()
+    after = BlockIndex([SlotPool(f"p{i}", 4096, 100_016) for i in range(2)])
+    _, resume = recover(after, buf, LOG)
+    assert contents(after) == contents(before)
+    assert [p.free for p in after.pools] == [p.free for p in before.pools]
+    assert after.audit()["double"] == 0 and resume is not None
+
+
+def test_a_warm_start_resumes_the_journal_so_the_next_holder_finds_both() -> None:
+    _, buf = filled(10_000)
+    epoch = journal.read(buf).epoch
+    second = BlockIndex([SlotPool("p0", 4096, 10_016)])
+    replayed, resume = recover(second, buf, LOG)
+    second.journal = Mirror(buf, second, replayed.g3, group=0, log=LOG, resume=resume)
+    (block,) = second.add_filling_batch([b"later"], now=0.0)
+    second.commit(block, 0.0)
+    second.flush_journal()
+    replay = journal.read(buf)
+    assert replay.epoch == epoch  # no snapshot of 10k blocks at start: appended after them
+    third = BlockIndex([SlotPool("p0", 4096, 10_016)])
+    recover(third, buf, LOG)
+    assert contents(third) == contents(second) and b"later" in third
+
+
+def test_a_record_left_out_is_never_resurrected_by_a_later_replay() -> None:
+    # b and c both name slot 2; b wins, c is left out. Resuming would keep c in the
+    # journal, and once b leaves, a later replay would give c the slot that now holds d.
+    buf = written([(journal.PUT_G2, b"b", (2, 2)), (journal.PUT_G2, b"c", (2, 3))])
+    idx = index()
+    replayed, resume = recover(idx, buf, LOG)
+    assert resume is None
+    idx.journal = Mirror(buf, idx, replayed.g3, group=0, log=LOG, resume=resume)
+    idx.remove(idx.get(b"b"))
+    idx.flush_journal()
+    later = index()
+    recover(later, buf, LOG)
+    assert b"c" not in later
+
+
+class Recording(Mirror):
+    """A mirror whose stores are logged, so that a test can crash it after any of them,
+    and the states it published (one per flush)."""
+
+    stores: list[tuple[int, bytes]]
+    states: list[dict[bytes, tuple[int, ...]]]
+
+    def write_at(self, offset: int, data: bytes) -> None:
+        self.stores.append((offset, bytes(data)))
+        super().write_at(offset, data)
+
+    def flush(self) -> bool:
+        ok = super().flush()
+        self.states.append(contents(self._index))
+        return ok
+
+
+def test_a_crash_at_any_store_after_a_bulk_replay_recovers_a_published_state() -> None:
+    """A worker starts warm over 10k blocks, then evicts and fills (each flush publishes a
+    state), and dies at some store: the next replay yields the state published last, or
+    the one being published, whichever store it was; also when the start needed a
+    snapshot (a record left out)."""
+    for skip in (False, True):
+        first, buf = filled(10_000)
+        if skip:  # a record naming a slot another key holds: the replay leaves it out
+            mirror = first.journal
+            assert isinstance(mirror, Mirror)
+            mirror.put(b"bad", (0,))
+            mirror.flush()
+        original = bytes(buf)
+        idx = BlockIndex([SlotPool("p0", 4096, 10_016)])
+        replayed, resume = recover(idx, buf, LOG)
+        assert (resume is None) is skip
+        idx.queue_recovered(None)
+        Recording.stores, Recording.states = [], [contents(idx)]
+        idx.journal = Recording(buf, idx, replayed.g3, group=0, log=LOG, resume=resume)
+        for round_ in range(3):
+            assert len(idx.evict(50)) == 50
+            new = [b"new-%d-%d" % (round_, i) for i in range(50)]
+            for block in idx.add_filling_batch(new, now=1.0):  # publishes the evictions
+                idx.commit(block, 1.0)
+            idx.flush_journal()
+        stores, states = Recording.stores, Recording.states
+        for upto in range(len(stores) + 1):
+            crashed = bytearray(original)
+            for offset, data in stores[:upto]:
+                crashed[offset : offset + len(data)] = data
+            if upto < len(stores):  # half of the interrupted store landed
+                offset, data = stores[upto]
+                half = len(data) // 2
+                crashed[offset : offset + half] = data[:half]
+            again = BlockIndex([SlotPool("p0", 4096, 10_016)])
+            recover(again, memoryview(crashed), LOG)
+            assert contents(again) in states, (skip, upto)

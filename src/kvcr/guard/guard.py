@@ -18,11 +18,15 @@ import attrs
 import trio
 
 from kvcr.guard import protocol as wire
-from kvcr.guard.journal import Follower, Replay
+from kvcr.guard.journal import DictState, Follower, Replay, State
 from kvcr.guard.pools import GroupFile, map_group
 from kvcr.guard.procs import close_quietly
 from kvcr.guard.rules import Groups, Lease
 from kvcr.guard.serving import CannotServe, GroupServer
+from kvcr.policy import LRUPolicy
+from kvcr.runtime.index import BlockIndex, SlotPool
+from kvcr.runtime.mirror import Followed, Replayed
+from kvcr.runtime.residency import index_options
 
 CONTROL_BACKLOG = 128
 FOLLOW_INTERVAL_S = 0.5
@@ -48,9 +52,23 @@ class Guard:
         self._servers: list[GroupServer] = []
         journal_offset, journal_size = file.layout.journal
         self.follower = Follower(
-            memoryview(self.mapping.mmap)[journal_offset : journal_offset + journal_size]
+            memoryview(self.mapping.mmap)[journal_offset : journal_offset + journal_size],
+            self._replay_state,
         )
         self.journal: Replay | None = None  # what the follower saw last
+        self._following = trio.Lock()  # one poll at a time: a takeover takes the state
+
+    def _replay_state(self) -> State:
+        """What the follower replays into: a block index over the group's pools, which a
+        takeover hands to the server as it stands (a dict until the group has terms)."""
+        terms = self.groups[self.index].terms
+        if terms is None:
+            return DictState()
+        pools = [
+            SlotPool(name, block, size // block)
+            for (name, block), (_, size) in zip(terms.layouts, self.file.layout.pools)
+        ]
+        return Replayed(BlockIndex(pools, **index_options(LRUPolicy())))
 
     async def control_listener(self, host: str, port: int) -> socket.socket:
         """The group's listening TCP socket, bound to (host, port) on first use."""
@@ -105,15 +123,47 @@ class Guard:
                     await self._take_over()
 
     async def follow(self, interval_s: float = FOLLOW_INTERVAL_S) -> None:
-        """Keep up with the group's journal while somebody writes it (the holder, or this
-        Guard's own server), for ``status``. A failure here is logged, not fatal."""
+        """Keep up with the group's journal while a holder writes it, for ``status`` and so
+        that a takeover only applies the tail (while this Guard serves the group, its
+        server's index is the state). A failure here is logged, not fatal."""
         while True:
-            if self.groups[self.index].state in ("held", "serving"):
-                try:
-                    self.journal = await trio.to_thread.run_sync(self.follower.poll)
-                except Exception as exc:
-                    self.log.warning("journal_follow_failed", error=repr(exc))
+            if self.groups[self.index].state == "held":
+                await self._poll()
             await trio.sleep(interval_s)
+
+    async def _poll(self) -> Replay | None:
+        async with self._following:
+            try:
+                self.journal = await trio.to_thread.run_sync(self.follower.poll)
+            except Exception as exc:
+                self.log.warning("journal_follow_failed", error=repr(exc))
+                return None
+            return self.journal
+
+    async def _followed(self) -> Followed | None:
+        """The group's journal replayed to its end (the tail since the last poll applied),
+        for a server to take over; the follower starts afresh. None if it is no index."""
+        replay = await self._poll()
+        async with self._following:
+            state = self.follower.state
+            self.follower.restart()
+        if replay is None or not isinstance(state, Replayed):
+            return None
+        return state.followed(replay.position)
+
+    def journal_status(self, status: wire.GroupStatus) -> wire.GroupStatus:
+        """``status`` with what the group's journal holds: the server's own mirror while
+        this Guard serves the group, else what the follower saw last."""
+        server = self.server
+        mirror = server.runtime.mirror if server is not None else None
+        if mirror is None:
+            return with_journal(status, self.journal)
+        return attrs.evolve(
+            status,
+            journal_fill_percent=min(100, round(mirror.fill_percent)),
+            journal_blocks=len(server.runtime.index) if server is not None else 0,
+            recovery_disabled=mirror.disabled,
+        )
 
     async def _take_over(self) -> None:
         """Serve the dead holder's committed blocks on the group's endpoint. If that is not
@@ -124,9 +174,10 @@ class Guard:
             return
         started = trio.current_time()
         assert self.nursery is not None, "the supervisor runs the Guard"
+        followed = await self._followed()
         try:
             server = GroupServer.prepare(
-                self.index, group.terms, self.mapping, self.listener, self.log
+                self.index, group.terms, self.mapping, self.listener, self.log, followed
             )
             self._servers.append(server)
             await server.start(self.nursery)
@@ -169,7 +220,22 @@ class Guard:
             self._unusable(server, reason)
             return
         self._forget_if_clean()
+        self._follow_on(server)
         self.log.info("handed_back", seconds=round(trio.current_time() - started, 6))
+
+    def _follow_on(self, server: GroupServer | None) -> None:
+        """The server stopped in order: its index is what the journal holds, so following
+        goes on from there (the next holder resumes the journal) rather than replaying it
+        all again."""
+        mirror = server.runtime.mirror if server is not None else None
+        position = mirror.position() if mirror is not None else None
+        if server is None or position is None:
+            return
+        index = server.runtime.index
+        index.journal = None  # the follower replays into it from now on
+        replayed = Replayed(index)
+        replayed.g3.update(mirror.g3_records if mirror is not None else {})
+        self.follower.adopt(replayed, position)
 
     def _forget_if_clean(self) -> None:
         """Drop the servers that stopped in order: their runtime (NIXL agent, sockets) is

@@ -42,8 +42,10 @@ import struct
 import sys
 import zlib
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
 
 import attrs
+import numpy as np
 
 from kvcr.types import RecoveryMirrorError
 
@@ -78,18 +80,73 @@ class Residency:
     values: tuple[int, ...]
 
 
+class State(Protocol):
+    """Where a reader applies replayed changes (each call: one entry of one frame)."""
+
+    def put(self, tier: int, keys: list[bytes], values: Sequence[int], count: int) -> None:
+        """``keys`` put in ``tier`` (PUT_G2 or PUT_G3) at ``count`` values each (flat)."""
+
+    def remove(self, op: int, keys: list[bytes]) -> None:
+        """``keys`` removed by ``op`` (REMOVE or REMOVE_G3)."""
+
+    def __len__(self) -> int:
+        """How many keys are in G2."""
+
+
+class DictState(dict[bytes, Residency]):
+    """Replayed state as a dict of G2 residencies, and ``g3`` beside it: for ``status``,
+    tests and tools. A worker replays into its block index instead (no object per key)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.g3: dict[bytes, Residency] = {}
+
+    def put(self, tier: int, keys: list[bytes], values: Sequence[int], count: int) -> None:
+        into = self.g3 if tier == PUT_G3 else self
+        for i, key in enumerate(keys):
+            into[key] = Residency(tier, tuple(values[i * count : (i + 1) * count]))
+
+    def remove(self, op: int, keys: list[bytes]) -> None:
+        into = self.g3 if op == REMOVE_G3 else self
+        for key in keys:
+            into.pop(key, None)
+
+    def snapshot(self) -> DictState:
+        copy = DictState()
+        copy.update(self)
+        copy.g3.update(self.g3)
+        return copy
+
+
+@attrs.frozen
+class Position:
+    """Where a journal stands after its last whole frame: a writer can resume there."""
+
+    counter: int  # of the header in force
+    epoch: int
+    active: int
+    used: int  # bytes of the active half in use
+    frames: int  # the next frame's seq
+
+
 @attrs.frozen
 class Replay:
     """What a reader recovered: the committed state, and how it got it."""
 
-    state: dict[bytes, Residency]  # G2 residencies
+    state: Any  # the State replayed into (a DictState unless the reader chose)
     epoch: int
     frames: int
     used: int  # bytes of the active half in use
     half_size: int
     disabled: bool
     start: int = DATA_START  # offset of the active half in the buffer
-    g3: dict[bytes, Residency] = attrs.field(factory=dict)  # G3 residencies
+    position: Position | None = None  # None: no frame can be appended (no valid header)
+
+    @property
+    def g3(self) -> dict[bytes, Residency]:
+        """The G3 residencies (of a DictState)."""
+        g3: dict[bytes, Residency] = getattr(self.state, "g3", {})
+        return g3
 
 
 def _align8(n: int) -> int:
@@ -161,13 +218,13 @@ def half_bytes(journal_bytes: int) -> int:
     return _layout(journal_bytes)
 
 
-def apply_payload(
-    state: dict[bytes, Residency], payload: bytes | memoryview, g3: dict | None = None
-) -> bool:
-    """Apply one frame's entries to ``state`` (G2) and ``g3``; False (both untouched) if it
-    is malformed."""
-    g3 = {} if g3 is None else g3
-    changes: list[tuple[int, bytes, tuple[int, ...]]] = []
+Change = tuple[int, list[bytes], Sequence[int], int]  # op, keys, values (flat), count
+
+
+def apply_payload(state: State, payload: bytes | memoryview) -> bool:
+    """Apply one frame's entries to ``state``; False (and ``state`` untouched) if it is
+    malformed."""
+    changes: list[Change] = []
     pos, end = 0, len(payload)
     while pos < end:
         if payload[pos] == BATCH:
@@ -186,24 +243,17 @@ def apply_payload(
         pos += klen + 1
         if pos + 8 * count > end:
             return False
-        values = struct.unpack_from(f"<{count}Q", payload, pos)
+        changes.append((op, [key], struct.unpack_from(f"<{count}Q", payload, pos), count))
         pos += 8 * count
-        changes.append((op, key, values))
-    for op, key, values in changes:
-        if op == REMOVE:
-            state.pop(key, None)
-        elif op == REMOVE_G3:
-            g3.pop(key, None)
-        elif op == PUT_G3:
-            g3[key] = Residency(op, values)
+    for op, keys, flat, count in changes:
+        if op in REMOVALS:
+            state.remove(op, keys)
         else:
-            state[key] = Residency(op, values)
+            state.put(op, keys, flat, count)
     return True
 
 
-def _read_batch(
-    payload: bytes | memoryview, pos: int, end: int, out: list[tuple[int, bytes, tuple[int, ...]]]
-) -> int:
+def _read_batch(payload: bytes | memoryview, pos: int, end: int, out: list[Change]) -> int:
     """Decode the batch entry at ``pos`` into ``out``; the next position, or -1."""
     if pos + BATCH_HEAD.size > end:
         return -1
@@ -217,10 +267,12 @@ def _read_batch(
         # n removals of the empty key take no bytes at all, so n is bounded by nothing the
         # frame holds: they are one removal (applying it n times changes nothing more).
         n = min(n, 1)
-    values = struct.unpack_from(f"<{n * count}Q", payload, keys_end)
-    for i in range(n):
-        key = bytes(payload[pos + i * klen : pos + (i + 1) * klen])
-        out.append((op, key, tuple(values[i * count : (i + 1) * count])))
+    blob = bytes(payload[pos:keys_end])
+    keys = [blob[i : i + klen] for i in range(0, n * klen, klen)] if klen else [b""] * n
+    values = array.array("Q", bytes(payload[keys_end:values_end]))
+    if sys.byteorder != "little":
+        values.byteswap()
+    out.append((op, keys, values, count))
     return values_end
 
 
@@ -250,6 +302,22 @@ def encode_batch(
     return BATCH_HEAD.pack(BATCH, op, n, klen, count) + b"".join(keys) + packed.tobytes()
 
 
+def encode_flat(op: int, keys: Sequence[bytes], flat: Any, count: int) -> bytes:
+    """Entries putting ``keys`` at ``count`` values each (``flat``: all of them, a sequence
+    or a numpy array), batched per key length (one batch when the lengths agree)."""
+    values = np.asarray(flat, dtype="<u8").reshape(len(keys), count)
+    lengths = np.fromiter(map(len, keys), dtype=np.int64, count=len(keys))
+    out = bytearray()
+    for klen in np.unique(lengths).tolist():
+        rows = np.flatnonzero(lengths == klen)
+        part = keys if len(rows) == len(keys) else [keys[i] for i in rows.tolist()]
+        if klen > MAX_KEY or count > MAX_VALUES:
+            continue  # refused when first put: not in the journal anyway
+        head = BATCH_HEAD.pack(BATCH, op, len(part), klen, count)
+        out += head + b"".join(part) + values[rows].tobytes()
+    return bytes(out)
+
+
 def _layout(size: int) -> int:
     half = ((size - DATA_START) // 2) & ~7
     if half < 4096:
@@ -275,9 +343,10 @@ def _read_header(buf: memoryview) -> tuple[int, int, int, int] | None:
     return best
 
 
-def read(buf: memoryview | bytearray | bytes) -> Replay:
-    """Replay the journal in ``buf``: every whole frame of the active half, in order."""
-    follower = Follower(buf)
+def read(buf: memoryview | bytearray | bytes, state: Callable[[], State] = DictState) -> Replay:
+    """Replay the journal in ``buf``: every whole frame of the active half, in order, into
+    a new ``state()``."""
+    follower = Follower(buf, state)
     try:
         return follower.poll()
     finally:
@@ -285,7 +354,7 @@ def read(buf: memoryview | bytearray | bytes) -> Replay:
 
 
 def _replay_frames(
-    view: memoryview, base: int, half: int, epoch: int, pos: int, seq: int, state: dict, g3: dict
+    view: memoryview, base: int, half: int, epoch: int, pos: int, seq: int, state: State
 ) -> tuple[int, int]:
     """Apply the whole frames from ``pos`` (expecting ``seq``) to ``state``; the position
     and seq after the last one."""
@@ -299,7 +368,7 @@ def _replay_frames(
         (crc,) = CRC.unpack_from(view, base + end)
         if zlib.crc32(view[base + pos : base + end]) != crc:
             break
-        if not apply_payload(state, view[base + pos + FRAME_HEAD.size : base + end], g3):
+        if not apply_payload(state, view[base + pos + FRAME_HEAD.size : base + end]):
             break
         pos = _align8(end + CRC.size)
         seq += 1
@@ -308,42 +377,59 @@ def _replay_frames(
 
 class Follower:
     """Follows a journal that another process writes: each :meth:`poll` applies only the
-    frames added since the last one, and starts over when the header moved (a snapshot, a
-    new holder). The guard keeps one per held group, so it always knows what the holder has
-    committed and how full the journal is."""
+    frames added since the last one, and starts over (into a new ``state()``) when the
+    header moved (a snapshot, a new holder). The guard keeps one per held group, so it
+    always knows what the holder has committed and how full the journal is.
 
-    def __init__(self, buf: memoryview | bytearray | bytes) -> None:
+    ``poll`` returns the state itself, not a copy, unless the state has a ``snapshot()``
+    (a DictState does)."""
+
+    def __init__(
+        self, buf: memoryview | bytearray | bytes, state: Callable[[], State] = DictState
+    ) -> None:
         self._view = memoryview(buf)
         self.half = _layout(len(self._view))
+        self._new_state = state
         self._header: tuple[int, int, int, int] | None = None
-        self._state: dict[bytes, Residency] = {}
-        self._g3: dict[bytes, Residency] = {}
+        self.state: State = state()
         self._pos = self._seq = 0
+
+    def restart(self, state: Callable[[], State] | None = None) -> None:
+        """Forget what was followed: the next poll replays the journal from its start (into
+        a new state, made by ``state`` from now on if given)."""
+        if state is not None:
+            self._new_state = state
+        # Empty until the next poll, which makes a new state() (the header differs).
+        self._header, self.state, self._pos, self._seq = None, DictState(), 0, 0
+
+    def adopt(self, state: State, position: Position) -> None:
+        """Follow on from ``state``, which holds what the journal held at ``position``
+        (its writer stopped there)."""
+        self._header = (position.counter, position.epoch, position.active, self.half)
+        self.state, self._pos, self._seq = state, position.used, position.frames
 
     def poll(self) -> Replay:
         view, half = self._view, self.half
         header = _read_header(view)
         if header != self._header:
-            self._header, self._state, self._g3, self._pos, self._seq = header, {}, {}, 0, 0
+            self._header, self.state, self._pos, self._seq = header, self._new_state(), 0, 0
         if header is None:
-            return Replay({}, 0, 0, 0, half, disabled=False)
-        _, epoch, active, header_half = header
+            return Replay(self._out(), 0, 0, 0, half, disabled=False)
+        counter, epoch, active, header_half = header
         if active == NO_HALF or active > 1 or header_half != half:
-            return Replay({}, epoch, 0, 0, half, disabled=active == NO_HALF)
+            return Replay(self._out(), epoch, 0, 0, half, disabled=active == NO_HALF)
         base = DATA_START + active * half
         self._pos, self._seq = _replay_frames(
-            view, base, half, epoch, self._pos, self._seq, self._state, self._g3
+            view, base, half, epoch, self._pos, self._seq, self.state
         )
+        position = Position(counter, epoch, active, self._pos, self._seq)
         return Replay(
-            dict(self._state),
-            epoch,
-            self._seq,
-            self._pos,
-            half,
-            disabled=False,
-            start=base,
-            g3=dict(self._g3),
+            self._out(), epoch, self._seq, self._pos, half, False, start=base, position=position
         )
+
+    def _out(self) -> Any:
+        snapshot = getattr(self.state, "snapshot", None)
+        return self.state if snapshot is None else snapshot()
 
     def release(self) -> None:
         self._view.release()
@@ -363,7 +449,15 @@ class Writer:
     disabled (the journal cannot hold even a snapshot of the live state).
     """
 
-    def __init__(self, buf: memoryview | bytearray, live: Callable[[], Iterable[Entry]]):
+    def __init__(
+        self,
+        buf: memoryview | bytearray,
+        live: Callable[[], Iterable[Entry]],
+        resume: Position | None = None,
+    ) -> None:
+        """``resume``: where a reader found the journal, if the writer's live state is
+        exactly what the reader replayed: the writer then appends after the last whole
+        frame (a torn one is overwritten) instead of starting with a snapshot."""
         self._buf = memoryview(buf)
         self._live = live
         self.half = _layout(len(self._buf))
@@ -380,7 +474,17 @@ class Writer:
         self.compactions = 0
         self.refused = 0
         self.last_refusal: RecoveryMirrorError | None = None
-        self._compact()
+        if resume is not None and header == (
+            resume.counter,
+            resume.epoch,
+            resume.active,
+            self.half,
+        ):
+            self._active, self._pos, self._seq = resume.active, resume.used, resume.frames
+            self.resumed = True
+        else:
+            self.resumed = False
+            self._compact()
 
     @property
     def fill(self) -> float:
@@ -466,13 +570,24 @@ class Writer:
         target = 1 - self._active if self._active in (0, 1) else 0
         self._epoch += 1
         self._active, self._pos, self._seq = target, 0, 0
-        snapshot = encode_snapshot(self._live())
+        snapshot = self.snapshot()
         fits = self._append(snapshot) if snapshot else True
         self.disabled = not fits
         self._disabled_at, self._pending_at_disable = len(snapshot), 0
         self._write_header(NO_HALF if self.disabled else target)
         self.compactions += 1
         return fits
+
+    def position(self) -> Position | None:
+        """Where the journal stands after the last flush (None while recovery is
+        disabled): a reader that replayed up to here may hand it to the next writer."""
+        if self.disabled or self._pending:
+            return None
+        return Position(self._counter - 1, self._epoch, self._active, self._pos, self._seq)
+
+    def snapshot(self) -> bytes:
+        """The live state as one payload (a subclass may encode it faster)."""
+        return encode_snapshot(self._live())
 
     def _write_header(self, active: int) -> None:
         slot = self._counter % 2

@@ -36,7 +36,7 @@ import trio
 
 from kvcr.errors import KVCRMsgFramingError
 from kvcr.guard import protocol as wire
-from kvcr.guard.guard import Guard, with_journal
+from kvcr.guard.guard import Guard
 from kvcr.guard.pools import create_group_file, plan_group, reclaim_orphans
 from kvcr.guard.procs import (
     PeerCred,
@@ -435,8 +435,7 @@ class GuardService:
 
     def _status(self) -> list[wire.GroupStatus]:
         return [
-            with_journal(status, guard.journal)
-            for status, guard in zip(self.groups.status(), self.guards)
+            guard.journal_status(status) for status, guard in zip(self.groups.status(), self.guards)
         ]
 
     def _granted(self, request: wire.ClaimRequest, lease: Lease, port: int) -> wire.ClaimGranted:

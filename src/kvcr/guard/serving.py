@@ -27,6 +27,7 @@ from kvcr.guard.pools import GroupMapping
 from kvcr.guard.rules import Terms
 from kvcr.instance import nixl_factory
 from kvcr.runtime.build import Journal, build
+from kvcr.runtime.mirror import Followed
 
 _WILDCARDS = {"", "0.0.0.0", "::", "*"}
 _instances = itertools.count(1)
@@ -63,10 +64,17 @@ class GroupServer:
 
     @classmethod
     def prepare(
-        cls, index: int, terms: Terms, mapping: GroupMapping, listener: Any, log: Any
+        cls,
+        index: int,
+        terms: Terms,
+        mapping: GroupMapping,
+        listener: Any,
+        log: Any,
+        followed: Followed | None = None,
     ) -> GroupServer:
         """Build the group's runtime over its pools and journal, not started yet
-        (CannotServe when the group cannot be served)."""
+        (CannotServe when the group cannot be served). ``followed``: the journal replayed
+        already (the runtime takes its index over instead of replaying)."""
         host, port = listener.getsockname()[:2]
         advertise = terms.advertise or host
         if advertise in _WILDCARDS:
@@ -97,7 +105,7 @@ class GroupServer:
                 nixl_factory(config, backends),
                 log=log.bind(agent=config.nixl_agent_name),
                 control=channel,
-                journal=Journal(journal, index),
+                journal=Journal(journal, index, followed),
                 offload_blocking=True,  # the service's loop serves every group and claim
             )
         except BaseException:

@@ -28,7 +28,8 @@ def audit(runtime: Runtime) -> list[str]:
     if runtime.transfers is not None and runtime.transfers.in_flight:
         problems.append(f"{runtime.transfers.in_flight} transfers in flight")
     holders = collections.Counter(runtime.local.handles.values()) if runtime.local else {}
-    for key, block in runtime.index.blocks.items():
+    for block in runtime.index.blocks():
+        key = block.key
         if block.claims != holders.get(key, 0):
             problems.append(
                 f"key {key!r}: {block.claims} claims, {holders.get(key, 0)} release handles"

@@ -34,6 +34,7 @@ from kvcr.policy import G3LRUPolicy, KVCachePolicy, LRUPolicy
 from kvcr.runtime.engine_calls import EngineCalls, EngineSide
 from kvcr.runtime.inbox import Inbox
 from kvcr.runtime.memory import MemoryMap
+from kvcr.runtime.mirror import Followed
 from kvcr.runtime.ops import Outbox
 from kvcr.telemetry import Telemetry
 from kvcr.transport.auth import cluster_key_from_env
@@ -84,6 +85,9 @@ class Journal:
 
     buffer: memoryview
     group: int
+    # Replayed ahead of time (the guard follows every held group's journal): the runtime
+    # takes its index over instead of replaying.
+    followed: Followed | None = None
 
 
 @attrs.frozen(eq=False)

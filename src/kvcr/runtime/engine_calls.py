@@ -138,6 +138,11 @@ class EngineCalls:
     def put(self, call: Call) -> None:
         self.queue.append(call)
 
+    @property
+    def wants_inventory(self) -> bool:
+        """Whether the engine takes inventory events (nobody does in the guard)."""
+        return "inventory_sink" in self._present
+
     def inventory(self, event: InventoryEvent) -> None:
         if "inventory_sink" in self._present:
             self.queue.append(Notify("inventory_sink", event))

@@ -29,7 +29,7 @@ from typing import Any
 import trio
 
 from kvcr.g3.files import G3Files
-from kvcr.runtime.index import Block, BlockIndex, BlockState, SlotPool
+from kvcr.runtime.index import Block, BlockIndex, BlockState, Published, SlotPool
 from kvcr.runtime.residency import claim, unclaim
 from kvcr.runtime.transfers import Transfers, Xfer
 from kvcr.telemetry import SCOPE_G3_FILL, SCOPE_G3_STORE, result_label
@@ -54,15 +54,15 @@ class G3Tier:
         log: Any,
         telemetry: Any = None,
         journal: Any = None,
-        view: dict[BlockKey, tuple[QueryStatus, CacheTier]] | None = None,
+        view: Published | None = None,
     ) -> None:
         self.files = files
         self.transport = transport
         self.transfers = transfers
-        # ``view`` (what ``query`` answers for G3) lists committed blocks only.
-        self.index = BlockIndex(
-            [SlotPool("g3", files.block, files.capacity)], FETCHABLE_G3, None, view
-        )
+        # ``query`` answers for committed blocks only.
+        self.index = BlockIndex([SlotPool("g3", files.block, files.capacity)], FETCHABLE_G3, None)
+        if view is not None:
+            view.index = self.index
         self._score = score
         self._on_removed = on_removed
         self._telemetry = telemetry
@@ -71,10 +71,6 @@ class G3Tier:
         # Generations only grow, across restarts too: a record written by an earlier
         # process can never match what this one expects.
         self._next_generation = time.time_ns()
-
-    @property
-    def view(self) -> dict[BlockKey, tuple[QueryStatus, CacheTier]]:
-        return self.index.view
 
     def __contains__(self, key: BlockKey) -> bool:
         block = self.index.get(key)
@@ -140,7 +136,7 @@ class G3Tier:
     def _make_room(self, wanted: int) -> int:
         pool = self.index.pools[0]
         if pool.free < wanted:
-            self._dropped([b.key for b in self.index.evict(wanted - pool.free)])
+            self._dropped(self.index.evict(wanted - pool.free))
         return min(wanted, pool.free)
 
     def _dropped(self, keys: list[BlockKey]) -> None:
@@ -161,14 +157,11 @@ class G3Tier:
             if len(values) == 2 and 0 <= values[0] < capacity and values[0] not in candidates:
                 candidates[values[0]] = (key, values[1])
         sound = self.files.check_many(candidates) if candidates else set()
-        entries = [(candidates[s][0], (s,)) for s in sorted(sound)]
-        self.index.restore(entries)
+        slots = sorted(sound)
+        self.index.put_recovered([candidates[s][0] for s in slots], slots)
+        self.index.queue_recovered(self._score)
         for slot in sound:
-            key, generation = candidates[slot]
-            self._next_generation = max(self._next_generation, generation + 1)
-            block = self.index.get(key)
-            assert block is not None
-            self.index.rescore(block, self._score(block))
+            self._next_generation = max(self._next_generation, candidates[slot][1] + 1)
         kept = {candidates[s][0] for s in sound}
         dropped = [k for k in records if k not in kept]
         if self.journal is not None:

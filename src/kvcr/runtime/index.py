@@ -1,101 +1,219 @@
-"""The block index of local G2: slots, records, claims and the eviction queue. Pure code.
+"""The block index of one tier: slots, records, claims and the eviction queue. Pure code.
 
 A key's record owns one slot in every pool. A record is ``FILLING`` while a transfer writes
 its slots and ``READY`` once committed. Memory rules kept here:
 
 - a slot returns to the free list only through :meth:`BlockIndex.remove` or
-  :meth:`SlotPool.release`, which callers invoke only when no transfer can touch it;
+  :meth:`BlockIndex.release_slots`, which callers invoke only when no transfer can touch it;
 - a block with claims (a transfer reading it, a fetch or ``no_evict`` release handle) is
   never chosen for eviction.
 
-The eviction queue is a lazy min-heap of ``(score, seq, key, version)``: a record's score is
-taken from the policy whenever its metadata changes (and its ``version`` bumps), stale heap
-entries are skipped when popped, and the heap is rebuilt when stale entries dominate.
+Array-backed, for pools of a million blocks: a record *is* the slot it holds in the first
+pool (``rec``), its fields live in arrays indexed by rec (flags, generation, claims, score,
+recency, the other pools' slots, the key) and one dict maps key -> rec. None of these is an
+object the cyclic garbage collector tracks (a dict of bytes and ints, numbers in arrays,
+keys in a numpy object array), so a full collection of the engine's process costs the same
+with 0 and 1M resident blocks, and no record costs a Python object of its own. Other code
+handles records through :class:`Block`, a view made on demand; a view outlives its record
+safely (its generation no longer matches: it reads as gone and writes nothing).
 
-``view`` is the published answer to ``query`` (``ready`` for committed keys, ``filling``
-for keys being filled, if the tier publishes those): engine threads read it without locks
-(single dict lookups are atomic in CPython); only the runtime writes it.
+``query`` reads :meth:`BlockIndex.answers` from engine threads without locks (a dict lookup
+and a byte read, each atomic in CPython); only the runtime writes.
 """
 
 from __future__ import annotations
 
+import array
 import enum
-import heapq
-import itertools
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from operator import itemgetter
 from typing import TYPE_CHECKING, Protocol
 
-import attrs
+import numpy as np
 
+from kvcr.runtime.eviction import EvictionQueue
 from kvcr.types import BlockKey, CacheTier, QueryStatus
 
 if TYPE_CHECKING:
     import trio
 
+Answer = tuple[QueryStatus, CacheTier | None]
 HIT = (QueryStatus.HIT, CacheTier.LOCAL_G2)
 FETCHING = (QueryStatus.FETCHING, CacheTier.LOCAL_G2)
+MISS: Answer = (QueryStatus.MISS, None)
+_NEVER = float("-inf")  # the recency of a block nobody accessed since recovery
 
 
 class SlotPool:
-    """Free slots of one pool. Lowest-numbered slots are handed out first."""
+    """Free slots of one pool: a byte per slot (0: free). Lowest-numbered slots are handed
+    out first."""
 
     def __init__(self, name: str, block_size: int, capacity: int) -> None:
         self.name = name
         self.block_size = block_size
         self.capacity = capacity
-        self._free = list(range(capacity - 1, -1, -1))
+        self.taken = bytearray(capacity)
+        self._free = capacity
+        self._low = 0  # no free slot below this one
 
     @property
     def free(self) -> int:
-        return len(self._free)
+        return self._free
 
     @property
     def used(self) -> int:
-        return self.capacity - len(self._free)
+        return self.capacity - self._free
 
     @property
     def free_slots(self) -> frozenset[int]:
-        """The free slots (a copy: O(capacity))."""
-        return frozenset(self._free)
+        """The free slots (O(capacity): for checks, not hot paths)."""
+        return frozenset(np.flatnonzero(np.frombuffer(self.taken, np.uint8) == 0).tolist())
 
     def take(self) -> int:
-        return self._free.pop()
+        return self.take_many(1)[0]
 
     def take_many(self, count: int) -> list[int]:
-        """``count`` free slots (the next ones :meth:`take` would hand out), ascending."""
-        if count > len(self._free):
-            raise IndexError(f"pool {self.name!r}: {count} slots wanted, {len(self._free)} free")
-        taken = self._free[len(self._free) - count :]
-        del self._free[len(self._free) - count :]
-        taken.sort()
-        return taken
+        """``count`` free slots (the lowest ones), ascending."""
+        if count > self._free:
+            raise IndexError(f"pool {self.name!r}: {count} slots wanted, {self._free} free")
+        taken, low = self.taken, self._low
+        if taken.find(1, low, low + count) < 0 and low + count <= self.capacity:
+            # The usual case of a pool filling up: a run of free slots.
+            taken[low : low + count] = b"\x01" * count
+            slots = list(range(low, low + count))
+            low += count
+        else:
+            slots = []
+            for _ in range(count):
+                low = taken.find(0, low)
+                taken[low] = 1
+                slots.append(low)
+                low += 1
+        self._free -= count
+        self._low = low
+        return slots
+
+    def release_many(self, slots: np.ndarray) -> None:
+        """:meth:`release` for many distinct slots at once."""
+        taken = np.frombuffer(self.taken, np.uint8)
+        if not taken[slots].all():
+            raise ValueError(f"pool {self.name!r}: a slot released twice")
+        taken[slots] = 0
+        self._free += len(slots)
+        self._low = min(self._low, int(slots.min()))
 
     def release(self, slot: int) -> None:
-        self._free.append(slot)
+        if not self.taken[slot]:
+            raise ValueError(f"pool {self.name!r}: slot {slot} released twice")
+        self.taken[slot] = 0
+        self._free += 1
+        self._low = min(self._low, slot)
 
     def take_these(self, slots: Iterable[int]) -> None:
         """Take specific free slots (recovered blocks occupy the slots they had)."""
-        taken = set(slots)
-        self._free = [s for s in self._free if s not in taken]
+        for slot in slots:
+            if self.taken[slot]:
+                raise ValueError(f"pool {self.name!r}: slot {slot} is taken")
+            self.taken[slot] = 1
+            self._free -= 1
+
+    def take_checked(self, slots: np.ndarray) -> None:
+        """:meth:`take_these` for slots the caller checked free, in range and distinct."""
+        np.frombuffer(self.taken, np.uint8)[slots] = 1
+        self._free -= len(slots)
 
 
 class BlockState(enum.Enum):
     FILLING = "FILLING"
     READY = "READY"
+    GONE = "GONE"  # a view of a record that no longer exists
 
 
-@attrs.define(eq=False)
-class Block:
-    key: BlockKey
-    slots: tuple[int, ...]
-    state: BlockState = BlockState.FILLING
-    claims: int = 0
-    access_count: int = 0
-    last_access: float | None = None
-    position: int = -1
-    version: int = 0
-    queued: bool = False  # has a current entry in the eviction queue
-    waiters: trio.Event | None = None  # while somebody waits for the fill to end
+_new = tuple.__new__
+
+# Flags of a record (one byte per rec; 0: no record).
+_FILLING, _READY, _ATTACHED = 1, 2, 4  # ATTACHED: in the index (not detached)
+_STATE = {0: BlockState.GONE, _FILLING: BlockState.FILLING, _READY: BlockState.READY}
+_READY_STATE = BlockState.READY
+
+
+class Block(tuple):  # (index, rec, gen, key, slots)
+    """A view of one record of a :class:`BlockIndex` (see the module docstring). Its
+    ``key`` and ``slots`` never change; the other fields are the record's, read and written
+    through the index's arrays, as long as the record lives. A tuple, because views are
+    made per key on hot paths: one C call, and two views of one record are equal."""
+
+    __slots__ = ()
+
+    _index: BlockIndex = property(itemgetter(0))  # type: ignore[assignment]
+    rec: int = property(itemgetter(1))  # type: ignore[assignment]
+    gen: int = property(itemgetter(2))  # type: ignore[assignment]
+    key: BlockKey = property(itemgetter(3))  # type: ignore[assignment]
+    slots: tuple[int, ...] = property(itemgetter(4))  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Block({self.key!r}, {self.slots}, {self.state.name}, claims={self.claims})"
+
+    @property
+    def live(self) -> bool:
+        """Whether the record still exists (in the index, or detached with its slots)."""
+        return self._index.gen[self.rec] == self.gen and self._index.flags[self.rec] != 0
+
+    @property
+    def state(self) -> BlockState:
+        if not self.live:
+            return BlockState.GONE
+        return _STATE[self._index.flags[self.rec] & (_FILLING | _READY)]
+
+    @property
+    def claims(self) -> int:
+        return self._index.claims[self.rec] if self.live else 0
+
+    @claims.setter
+    def claims(self, value: int) -> None:
+        if self.live:
+            self._index.claims[self.rec] = value
+
+    @property
+    def queued(self) -> bool:
+        """In the eviction queue (a claimed block is not, until its last claim goes)."""
+        return self.live and bool(self._index.queue.queued[self.rec])
+
+    @property
+    def last_access(self) -> float | None:
+        value = self._index.recency[self.rec]
+        return None if value == _NEVER else value
+
+    @last_access.setter
+    def last_access(self, value: float | None) -> None:
+        if self.live:
+            self._index.recency[self.rec] = _NEVER if value is None else value
+
+    @property
+    def access_count(self) -> int:
+        counts = self._index.access_counts
+        return counts[self.rec] if counts is not None else 0
+
+    @property
+    def position(self) -> int:
+        positions = self._index.positions
+        return positions[self.rec] if positions is not None else -1
+
+    @position.setter
+    def position(self, value: int) -> None:
+        if self.live and self._index.positions is not None:
+            self._index.positions[self.rec] = value
+
+    @property
+    def waiters(self) -> trio.Event | None:
+        return self._index.waiters.get((self.rec, self.gen))
+
+    @waiters.setter
+    def waiters(self, event: trio.Event | None) -> None:
+        if event is None:
+            self._index.waiters.pop((self.rec, self.gen), None)
+        else:
+            self._index.waiters[(self.rec, self.gen)] = event
 
 
 class JournalSink(Protocol):
@@ -103,38 +221,119 @@ class JournalSink(Protocol):
 
     def committed(self, key: BlockKey, slots: tuple[int, ...]) -> None: ...
     def removed(self, key: BlockKey) -> None: ...
+    def removed_many(self, keys: list[BlockKey]) -> None: ...
+    def committed_many(self, keys: list[BlockKey], slots: list[tuple[int, ...]]) -> None: ...
     def flush(self) -> object: ...
+
+
+class Published:
+    """A tier's index as engine threads see it for ``query``: set once the tier runs (the
+    file tier starts after the facade exists)."""
+
+    def __init__(self) -> None:
+        self.index: BlockIndex | None = None
 
 
 class BlockIndex:
     def __init__(
         self,
         pools: list[SlotPool],
-        ready: tuple[QueryStatus, CacheTier] = HIT,
-        filling: tuple[QueryStatus, CacheTier] | None = FETCHING,
-        view: dict[BlockKey, tuple[QueryStatus, CacheTier]] | None = None,
+        ready: Answer = HIT,
+        filling: Answer | None = FETCHING,
+        *,
+        score_is_recency: bool = False,
+        policy_metadata: bool = True,
     ) -> None:
+        """``score_is_recency``: the eviction score is always the recency (the base LRU
+        policy), so one array holds both. ``policy_metadata``: keep access counts and
+        sequence positions (only a policy's own hooks read them)."""
+        capacity = pools[0].capacity
         self.pools = pools
-        self._ready = ready
-        self._filling = filling
+        self._first = pools[0]
+        self._others = pools[1:]
         # Committed changes are mirrored here; buffered ones are flushed before any slot is
         # handed out again, so a removal is always published before its slot is rewritten.
         self.journal: JournalSink | None = None
-        self.blocks: dict[BlockKey, Block] = {}
-        self.view: dict[BlockKey, tuple[QueryStatus, CacheTier]] = {} if view is None else view
-        self._heap: list[tuple[float, int, BlockKey, int]] = []
-        self._seq = itertools.count()
+        self.recs: dict[BlockKey, int] = {}
+        self.flags = bytearray(capacity)
+        self.gen = array.array("I", bytes(4 * capacity))
+        self.claims = array.array("I", bytes(4 * capacity))
+        self.keys = np.empty(capacity, dtype=object)
+        self.other_slots = [array.array("I", bytes(4 * capacity)) for _ in self._others]
+        self.queue = EvictionQueue(capacity)
+        self.recency = (
+            self.queue.score if score_is_recency else array.array("d", bytes(8 * capacity))
+        )
+        self._score_is_recency = score_is_recency
+        self.access_counts = array.array("I", bytes(4 * capacity)) if policy_metadata else None
+        self.positions = array.array("i", [-1]) * capacity if policy_metadata else None
+        self.waiters: dict[tuple[int, int], trio.Event] = {}
+        self.ready_count = 0
+        # What query answers, by a record's flags.
+        self._answers: list[Answer] = [MISS] * 8
+        self._answers[_ATTACHED | _READY] = ready
+        if filling is not None:
+            self._answers[_ATTACHED | _FILLING] = filling
 
     def __len__(self) -> int:
-        return len(self.blocks)
+        return len(self.recs)
+
+    def __contains__(self, key: BlockKey) -> bool:
+        return key in self.recs
 
     def get(self, key: BlockKey) -> Block | None:
-        return self.blocks.get(key)
+        rec = self.recs.get(key)
+        if rec is None:
+            return None
+        if self.other_slots:
+            return self._view(rec, key)
+        return _new(Block, (self, rec, self.gen[rec], key, (rec,)))
+
+    def ready_views(self, keys: Sequence[BlockKey]) -> list[Block | None]:
+        """A view of each key's record if it is READY, else None: for the hot paths that
+        read many keys at once."""
+        if self.other_slots:
+            return [
+                b if (b := self.get(k)) is not None and b.state is _READY_STATE else None
+                for k in keys
+            ]
+        get, gen, flags, ready = self.recs.get, self.gen, self.flags, _ATTACHED | _READY
+        return [
+            _new(Block, (self, rec, gen[rec], key, (rec,)))
+            if (rec := get(key)) is not None and flags[rec] == ready
+            else None
+            for key in keys
+        ]
+
+    def filling(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        """Those of ``keys`` whose record is being filled."""
+        get, flags = self.recs.get, self.flags
+        return [key for key in keys if (rec := get(key)) is not None and flags[rec] & _FILLING]
+
+    def _view(self, rec: int, key: BlockKey) -> Block:
+        slots = (rec, *(s[rec] for s in self.other_slots)) if self.other_slots else (rec,)
+        return _new(Block, (self, rec, self.gen[rec], key, slots))
+
+    def blocks(self) -> Iterator[Block]:
+        """Every record in the index (views), in no particular order."""
+        for key, rec in list(self.recs.items()):
+            yield self._view(rec, key)
+
+    def answers(self, keys: Sequence[BlockKey]) -> list[Answer]:
+        """What ``query`` says of each key (engine threads, no locks)."""
+        get, flags, table = self.recs.get, self.flags, self._answers
+        return [MISS if (rec := get(key)) is None else table[flags[rec]] for key in keys]
+
+    def answer(self, key: BlockKey) -> Answer:
+        rec = self.recs.get(key)
+        return MISS if rec is None else self._answers[self.flags[rec]]
 
     @property
     def free_keys(self) -> int:
         """How many more keys fit without eviction (a key needs a slot in every pool)."""
         return min(pool.free for pool in self.pools)
+
+    # -- records ---------------------------------------------------------------------------
 
     def add_filling(self, key: BlockKey, now: float) -> Block:
         return self.add_filling_batch([key], now)[0]
@@ -143,49 +342,162 @@ class BlockIndex:
         """Records for ``keys``, in ``FILLING`` state. Each pool's slots are handed out in
         ascending order along the keys, so consecutive keys get adjacent slots whenever the
         free list allows: NIXL merges adjacent descriptors (+40 % at 64 KiB blocks)."""
+        recs_by_key = self.recs
         for key in keys:
-            if key in self.blocks:
+            if key in recs_by_key:
                 raise KeyError(f"block index: key {key!r} already has a record")
+        if not keys:
+            return []
         if self.journal is not None:
             self.journal.flush()
-        per_pool = [pool.take_many(len(keys)) for pool in self.pools]
-        blocks = [Block(key, slots, last_access=now) for key, slots in zip(keys, zip(*per_pool))]
-        self.blocks.update(zip(keys, blocks))
-        if self._filling is not None:
-            self.view.update(dict.fromkeys(keys, self._filling))
+        recs = self._first.take_many(len(keys))
+        flags, gen, claims, store, recency = (
+            self.flags,
+            self.gen,
+            self.claims,
+            self.keys,
+            self.recency,
+        )
+        new = _ATTACHED | _FILLING
+        blocks = []
+        if self._others:
+            others = [pool.take_many(len(keys)) for pool in self._others]
+            for i, (key, rec) in enumerate(zip(keys, recs)):
+                slots = (rec, *(o[i] for o in others))
+                for column, o in zip(self.other_slots, others):
+                    column[rec] = o[i]
+                blocks.append(_new(Block, (self, rec, gen[rec], key, slots)))
+        else:
+            blocks = [
+                _new(Block, (self, rec, gen[rec], key, (rec,))) for key, rec in zip(keys, recs)
+            ]
+        for key, rec in zip(keys, recs):
+            flags[rec] = new
+            claims[rec] = 0
+            store[rec] = key
+            recency[rec] = now
+        if self.access_counts is not None and self.positions is not None:
+            for rec in recs:
+                self.access_counts[rec] = 0
+                self.positions[rec] = -1
+        recs_by_key.update(zip(keys, recs))
         return blocks
 
     def commit(self, block: Block, score: float) -> None:
-        block.state = BlockState.READY
-        self.view[block.key] = self._ready
+        self.flags[block.rec] = _ATTACHED | _READY
+        self.ready_count += 1
         self.rescore(block, score)
         if self.journal is not None:
             self.journal.committed(block.key, block.slots)
 
-    def commit_many(self, blocks: Sequence[Block], scores: Sequence[float]) -> None:
-        """:meth:`commit` for a batch (the blocks are held, FILLING, and carry no journal)."""
-        assert self.journal is None, "commit_many: journaled indexes commit one by one"
-        for block, score in zip(blocks, scores):
-            block.state = BlockState.READY
-            self.rescore(block, score)
-        self.view.update(dict.fromkeys([b.key for b in blocks], self._ready))
+    def commit_many(self, blocks: Sequence[Block], scores: Sequence[float] | None) -> None:
+        """:meth:`commit` for a batch of held FILLING blocks, queued by ``scores`` (None: by
+        their recency) and journaled as one batch."""
+        if not blocks:
+            return
+        flags, push = self.flags, self.queue.push
+        recs = [block[1] for block in blocks]
+        for rec in recs:
+            flags[rec] = _ATTACHED | _READY
+        if scores is None:
+            recency = self.recency
+            for rec in recs:
+                push(rec, recency[rec])
+        else:
+            for rec, score in zip(recs, scores):
+                push(rec, score)
+        self.ready_count += len(recs)
+        if self.journal is not None:
+            self.journal.committed_many([b[3] for b in blocks], [b[4] for b in blocks])
+
+    def claim_many(self, blocks: Sequence[Block], now: float) -> None:
+        """:meth:`claim` (an access at ``now``) of blocks in the index, at once."""
+        claims, drop, recency, counts = (
+            self.claims,
+            self.queue.drop,
+            self.recency,
+            self.access_counts,
+        )
+        for block in blocks:
+            rec = block[1]
+            claims[rec] += 1
+            drop(rec)
+            recency[rec] = now
+            if counts is not None:
+                counts[rec] += 1
+
+    def unclaim_many(self, blocks: Sequence[Block]) -> list[Block]:
+        """:meth:`unclaim` for each block; those whose last claim went (the caller queues
+        them again)."""
+        claims, queued, holds = self.claims, self.queue.queued, self.holds
+        back = []
+        for block in blocks:
+            rec = block[1]
+            if holds(block) and claims[rec]:
+                claims[rec] -= 1
+                if not claims[rec] and not queued[rec]:
+                    back.append(block)
+        return back
+
+    def requeue(self, blocks: Sequence[Block], scores: Sequence[float] | None) -> None:
+        """Queue held blocks by ``scores`` (None: by their recency)."""
+        push, recency = self.queue.push, self.recency
+        if scores is None:
+            for block in blocks:
+                push(block[1], recency[block[1]])
+        else:
+            for block, score in zip(blocks, scores):
+                push(block[1], score)
+
+    def align(self, keys: Sequence[BlockKey], now: float | None) -> np.ndarray:
+        """Place the READY ones of ``keys`` as one sequence, in one pass over the arrays:
+        each gets its position, and a recency from ``now`` (None: the most recent of
+        theirs) that falls with the position, so that a prefix is evicted from its tail.
+        Returns their records (queue them again with :meth:`requeue_records`)."""
+        get = self.recs.get
+        found = [(p, rec) for p, key in enumerate(keys) if (rec := get(key)) is not None]
+        if not found:
+            return np.empty(0, np.intp)
+        pairs = np.array(found, dtype=np.intp)
+        ready = np.frombuffer(self.flags, np.uint8)[pairs[:, 1]] & _READY != 0
+        positions: np.ndarray = pairs[ready, 0]
+        recs: np.ndarray = pairs[ready, 1]
+        if not len(recs):
+            return recs
+        recency = np.frombuffer(self.recency, np.float64)
+        anchor = now if now is not None else float(recency[recs].max())
+        recency[recs] = anchor - positions * 1e-9
+        if self.positions is not None:
+            np.frombuffer(self.positions, np.int32)[recs] = positions
+        return recs
+
+    def requeue_records(self, recs: np.ndarray, scores: Sequence[float] | None) -> None:
+        """Queue the unclaimed ones of ``recs`` (distinct, in the index) by ``scores``
+        (None: by their recency)."""
+        values = (
+            np.frombuffer(self.recency, np.float64)[recs]
+            if scores is None
+            else np.asarray(scores, dtype=np.float64)
+        )
+        free = np.frombuffer(self.claims, np.uint32)[recs] == 0
+        self.queue.push_many(recs[free], values[free])
+
+    def views(self, recs: np.ndarray) -> list[Block]:
+        """Views of records in the index."""
+        keys = self.keys
+        return [self._view(rec, keys[rec]) for rec in recs.tolist()]
+
+    def fill_over(self, blocks: Sequence[Block]) -> None:
+        """Wake whoever waits for the fill of one of ``blocks`` (usually nobody)."""
+        if self.waiters:
+            for block in blocks:
+                event = self.waiters.pop((block[1], block[2]), None)
+                if event is not None:
+                    event.set()
 
     def flush_journal(self) -> None:
         if self.journal is not None:
             self.journal.flush()
-
-    def restore(self, records: Sequence[tuple[BlockKey, tuple[int, ...]]]) -> list[Block]:
-        """READY records for blocks recovered in the slots they had (checked by the caller:
-        in range, one per pool, no slot twice), without recency; the caller queues them."""
-        for pool, slots in zip(self.pools, zip(*(s for _, s in records))):
-            pool.take_these(slots)
-        blocks = []
-        for key, slots in records:
-            block = Block(key, slots, state=BlockState.READY)
-            self.blocks[key] = block
-            self.view[key] = self._ready
-            blocks.append(block)
-        return blocks
 
     def remove(self, block: Block) -> None:
         """Forget the record and free its slots: only when no transfer touches them."""
@@ -195,63 +507,116 @@ class BlockIndex:
     def detach(self, block: Block) -> None:
         """Forget the record but keep its slots taken (quarantined): a transfer may still
         write them. :meth:`release_slots` frees them once it cannot."""
-        del self.blocks[block.key]
-        self.view.pop(block.key, None)
-        block.version += 1
-        if block.state is BlockState.READY and self.journal is not None:
-            self.journal.removed(block.key)
+        rec = block.rec
+        if not self.holds(block):
+            raise KeyError(f"block index: {block.key!r} is not in the index")
+        del self.recs[block.key]
+        self.queue.drop(rec)
+        flags = self.flags[rec]
+        self.flags[rec] = flags & ~_ATTACHED
+        if flags & _READY:
+            self.ready_count -= 1
+            if self.journal is not None:
+                self.journal.removed(block.key)
 
     def holds(self, block: Block) -> bool:
-        return self.blocks.get(block.key) is block
+        rec = block.rec
+        return self.gen[rec] == block.gen and bool(self.flags[rec] & _ATTACHED)
 
     def release_slots(self, block: Block) -> None:
-        for pool, slot in zip(self.pools, block.slots):
+        """Free a detached record's slots (the record ends: its views read as gone)."""
+        rec = block.rec
+        if self.gen[rec] != block.gen or self.flags[rec] & _ATTACHED:
+            raise ValueError(f"block index: {block.key!r}: its slots are not quarantined")
+        self.flags[rec] = 0
+        self.gen[rec] = (block.gen + 1) & 0xFFFFFFFF
+        self.keys[rec] = None
+        self._first.release(rec)
+        for pool, slot in zip(self._others, block.slots[1:]):
             pool.release(slot)
 
+    # -- recency and the eviction queue ------------------------------------------------------
+
     def touch(self, block: Block, now: float) -> None:
-        block.access_count += 1
-        block.last_access = now
+        rec = block.rec
+        if not self.holds(block):
+            return
+        if self.access_counts is not None:
+            self.access_counts[rec] += 1
+        if self._score_is_recency and self.queue.queued[rec]:
+            self.queue.push(rec, now)  # its place in the queue moves with it
+        else:
+            self.recency[rec] = now
 
     def rescore(self, block: Block, score: float) -> None:
-        block.version += 1
-        block.queued = True
-        heapq.heappush(self._heap, (score, next(self._seq), block.key, block.version))
-        if len(self._heap) > 2 * len(self.blocks) + 64:
-            self._compact()
+        if self.holds(block):
+            self.queue.push(block.rec, score)
+
+    def claim(self, block: Block, now: float | None = None) -> None:
+        """One more claim on a record in the index: out of the eviction queue until the
+        last claim goes (``now``: an access)."""
+        if self.holds(block):
+            self.claims[block.rec] += 1
+            self.queue.drop(block.rec)
+            if now is not None:
+                self.touch(block, now)
+
+    def unclaim(self, block: Block) -> bool:
+        """Drop one claim; True when it was the last one of a record in the index that is
+        out of the queue (the caller queues it again with a fresh score)."""
+        rec = block.rec
+        if not self.holds(block) or not self.claims[rec]:
+            return False
+        self.claims[rec] -= 1
+        return not self.claims[rec] and not self.queue.queued[rec]
 
     def dequeue(self, block: Block) -> None:
-        """Take a block out of the eviction queue while it is claimed: its entry goes stale
-        (skipped when popped) and whoever drops the last claim queues it again."""
-        block.version += 1
-        block.queued = False
+        """Take a block out of the eviction queue while it is claimed; whoever drops the
+        last claim queues it again."""
+        if self.holds(block):
+            self.queue.drop(block.rec)
 
-    def evict(self, wanted: int) -> list[Block]:
-        """Remove up to ``wanted`` evictable blocks, lowest score first, and return them:
-        :meth:`victims` for a tier that drops whatever it evicts, without a step per block
-        through a generator. Claimed blocks met on the way leave the queue, as there."""
-        out: list[Block] = []
-        while len(out) < wanted and (block := self._pop_evictable()) is not None:
-            out.append(block)
-        for block in out:
-            self.remove(block)
-        return out
+    def evict(self, wanted: int) -> list[BlockKey]:
+        """Remove up to ``wanted`` evictable blocks, lowest score first, and return their
+        keys: :meth:`victims` for a tier that drops whatever it evicts, in one pass over
+        the arrays (no view, no generator step per block). Claimed blocks met on the way
+        leave the queue, as there."""
+        flags, claims, pop = self.flags, self.claims, self.queue.pop
+        recs: list[int] = []
+        while len(recs) < wanted and (rec := pop()) is not None:
+            if flags[rec] == _ATTACHED | _READY and not claims[rec]:
+                recs.append(rec)
+        return self._remove_ready(recs) if recs else []
+
+    def _remove_ready(self, recs: list[int]) -> list[BlockKey]:
+        """Remove READY, unclaimed, unqueued records at once; their slots are free."""
+        at = np.array(recs, dtype=np.intp)
+        keys: list[BlockKey] = self.keys[at].tolist()
+        recs_by_key = self.recs
+        for key in keys:
+            del recs_by_key[key]
+        np.frombuffer(self.flags, np.uint8)[at] = 0
+        np.frombuffer(self.gen, np.uint32)[at] += 1  # wraps, like release_slots
+        self.keys[at] = None
+        self._first.release_many(at)
+        for pool, column in zip(self._others, self.other_slots):
+            pool.release_many(np.frombuffer(column, np.uint32)[at].astype(np.intp))
+        self.ready_count -= len(keys)
+        if self.journal is not None:
+            self.journal.removed_many(keys)
+        return keys
 
     def _pop_evictable(self) -> Block | None:
         """The lowest-scored evictable block, out of the queue (None when there is none).
-        Stale entries are skipped; claimed blocks met on the way leave the queue."""
-        while self._heap:
-            _, _, key, version = heapq.heappop(self._heap)
-            block = self.blocks.get(key)
-            if block is None or block.version != version:
-                continue
-            if not self.evictable(block):
-                block.queued = False
-                continue
-            return block
+        Claimed blocks met on the way leave the queue."""
+        flags, claims = self.flags, self.claims
+        while (rec := self.queue.pop()) is not None:
+            if flags[rec] == _ATTACHED | _READY and claims[rec] == 0:
+                return self._view(rec, self.keys[rec])
         return None
 
     def evictable(self, block: Block) -> bool:
-        return block.state is BlockState.READY and block.claims == 0
+        return self.holds(block) and bool(self.flags[block.rec] & _READY) and not block.claims
 
     def victims(self, score: Callable[[Block], float]) -> Generator[Block, None, None]:
         """Evictable blocks, lowest score first. A block the caller does not remove is
@@ -267,48 +632,128 @@ class BlockIndex:
                 yield block
         finally:
             for block in kept:
-                if self.holds(block):
+                if self.holds(block) and not block.claims:
                     self.rescore(block, score(block))
+
+    # -- recovery ------------------------------------------------------------------------------
+
+    def put_recovered(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> int:
+        """READY records for blocks replayed from a journal, in the slots they had
+        (``slots``: one per pool for each key, flat), without recency, not queued (see
+        :meth:`queue_recovered`). A key replayed again moves. A key whose slots are not one
+        in range per pool, each free, is left out: a record from outside is never trusted
+        to point at memory. Returns how many were left out."""
+        width = len(self.pools)
+        if len(slots) != width * len(keys):
+            return len(keys)
+        if not keys:
+            return 0
+        wanted = np.asarray(slots, dtype=np.uint64).reshape(len(keys), width)
+        fresh = dict.fromkeys(keys)
+        if len(fresh) == len(keys) and self.recs.keys().isdisjoint(fresh):
+            columns = [wanted[:, p] for p in range(width)]
+            if all(self._free_and_distinct(p, c) for p, c in zip(self.pools, columns)):
+                self._put_all(keys, [c.astype(np.intp) for c in columns])
+                return 0
+        return self._put_one_by_one(keys, wanted.tolist())
+
+    @staticmethod
+    def _free_and_distinct(pool: SlotPool, slots: np.ndarray) -> bool:
+        if len(slots) and int(slots.max()) >= pool.capacity:
+            return False
+        index = slots.astype(np.intp)
+        taken = np.frombuffer(pool.taken, np.uint8)
+        return not taken[index].any() and len(np.unique(index)) == len(index)
+
+    def _put_all(self, keys: Sequence[BlockKey], columns: list[np.ndarray]) -> None:
+        """put_recovered for keys checked new, distinct and in free, distinct slots."""
+        recs = columns[0]
+        for pool, column in zip(self.pools, columns):
+            pool.take_checked(column)
+        for store, column in zip(self.other_slots, columns[1:]):
+            np.frombuffer(store, np.uint32)[recs] = column
+        np.frombuffer(self.flags, np.uint8)[recs] = _ATTACHED | _READY
+        np.frombuffer(self.claims, np.uint32)[recs] = 0
+        np.frombuffer(self.recency, np.float64)[recs] = _NEVER
+        if self.positions is not None:
+            np.frombuffer(self.positions, np.int32)[recs] = -1
+        self.keys[recs] = keys
+        self.recs.update(zip(keys, recs.tolist()))
+        self.ready_count += len(keys)
+
+    def _put_one_by_one(self, keys: Sequence[BlockKey], rows: list[list[int]]) -> int:
+        skipped = 0
+        for key, row in zip(keys, rows):
+            old = self.recs.get(key)
+            if old is not None:
+                self.remove(self._view(old, key))
+            if any(not 0 <= s < p.capacity or p.taken[s] for s, p in zip(row, self.pools)):
+                skipped += 1
+                continue
+            self._put_all([key], [np.array([s], np.intp) for s in row])
+        return skipped
+
+    def forget_recovered(self, keys: Sequence[BlockKey]) -> None:
+        """Replayed removals: the keys' records go, their slots are free."""
+        for key in keys:
+            rec = self.recs.get(key)
+            if rec is not None:
+                self.remove(self._view(rec, key))
+
+    def queue_recovered(self, score: Callable[[Block], float] | None) -> None:
+        """Queue every unqueued READY record for eviction: by ``score``, or (None) all with
+        the score of no recency, in one pass over the arrays."""
+        flags = np.frombuffer(self.flags, np.uint8)
+        queued = np.frombuffer(self.queue.queued, np.uint8)
+        recs = np.flatnonzero((flags == (_ATTACHED | _READY)) & (queued == 0))
+        if score is None:
+            self.queue.push_all(recs, _NEVER)
+            return
+        for rec in recs.tolist():
+            block = self._view(rec, self.keys[rec])
+            self.queue.push(rec, score(block))
+
+    def ready_records(self) -> tuple[list[BlockKey], np.ndarray]:
+        """The keys of every READY record and their slots (one per pool for each, flat, as
+        uint64), in one pass over the arrays: what a journal snapshot holds."""
+        flags = np.frombuffer(self.flags, np.uint8)
+        recs = np.flatnonzero(flags == (_ATTACHED | _READY))
+        keys: list[BlockKey] = self.keys[recs].tolist()
+        columns = [recs] + [np.frombuffer(c, np.uint32)[recs] for c in self.other_slots]
+        return keys, np.stack(columns, axis=1).astype(np.uint64).ravel()
+
+    # -- checks ----------------------------------------------------------------------------
 
     def audit(self) -> dict[str, int]:
         """Where every slot is, for soak and debugging checks (never on a hot path).
 
-        ``quarantined`` slots belong to no record and are not free: legitimate while a
-        transfer may still write them (a withdrawn fill), a leak once nothing is in flight.
-        ``double`` counts slots handed out twice (free and in a record, in two records, or
-        free twice): always a bug. ``view_mismatch`` counts keys whose published query
-        answer disagrees with their record."""
+        ``quarantined`` slots belong to no record in the index and are not free: legitimate
+        while a transfer may still write them (a withdrawn fill), a leak once nothing is in
+        flight. ``double`` counts slots handed out twice (free and in a record, in two
+        records): always a bug. ``view_mismatch`` counts keys whose record disagrees with
+        the key it is filed under."""
+        attached = [rec for rec in self.recs.values() if self.flags[rec] & _ATTACHED]
         double = quarantined = 0
         for p, pool in enumerate(self.pools):
-            seen = [0] * pool.capacity
-            for slot in pool._free:
-                seen[slot] += 1
-            for block in self.blocks.values():
-                seen[block.slots[p]] += 1
-            double += sum(1 for n in seen if n > 1)
-            quarantined += sum(1 for n in seen if n == 0)
-        wanted = {
-            k: HIT if b.state is BlockState.READY else FETCHING for k, b in self.blocks.items()
-        }
+            held = [0] * pool.capacity
+            for rec in attached:
+                held[rec if p == 0 else self.other_slots[p - 1][rec]] += 1
+            taken = pool.taken
+            double += sum(1 for s, n in enumerate(held) if n > 1 or (n and not taken[s]))
+            quarantined += sum(1 for s, n in enumerate(held) if not n and taken[s])
         mismatch = sum(
-            1 for k in wanted.keys() | self.view.keys() if wanted.get(k) != self.view.get(k)
+            1
+            for key, rec in self.recs.items()
+            if self.keys[rec] is not key or not self.flags[rec] & _ATTACHED
         )
         return {
-            "blocks": len(self.blocks),
-            "filling": sum(1 for b in self.blocks.values() if b.state is BlockState.FILLING),
-            "claims": sum(b.claims for b in self.blocks.values()),
+            "blocks": len(self.recs),
+            "filling": sum(1 for rec in attached if self.flags[rec] & _FILLING),
+            "claims": sum(self.claims[rec] for rec in attached),
             "free": min((p.free for p in self.pools), default=0),
             "quarantined": quarantined,
             "double": double,
-            "view_mismatch": mismatch,
-            "heap": len(self._heap),
+            "view_mismatch": mismatch
+            + abs(self.ready_count - sum(1 for r in attached if self.flags[r] & _READY)),
+            "heap": len(self.queue),
         }
-
-    def _compact(self) -> None:
-        live = [
-            entry
-            for entry in self._heap
-            if (b := self.blocks.get(entry[2])) is not None and b.version == entry[3]
-        ]
-        heapq.heapify(live)
-        self._heap = live

@@ -157,26 +157,35 @@ class LocalG2(Residency):
             await xfer.done.wait()
 
     def _settle_fill(self, op: Operation, blocks: list[Block], ok: bool, no_evict: bool) -> None:
-        answers: dict[BlockKey, OpEntryResult] = {}
-        added: list[BlockKey] = []
+        index, filling, live = self.index, op.filling, op.live
         for block in blocks:
-            op.filling.pop(block.key, None)
-            if not self.index.holds(block):  # withdrawn while the transfer ran
-                self.index.release_slots(block)
-                continue
-            if ok and op.live(block.key):
-                self.index.commit(block, self.score(block))
+            filling.pop(block[3], None)
+        held = [b for b in blocks if index.holds(b)]
+        if len(held) < len(blocks):
+            for block in blocks:
+                if not index.holds(block):  # withdrawn while the transfer ran
+                    index.release_slots(block)
+        done = [b for b in held if live(b[3])] if ok else []
+        index.commit_many(done, self.scores(done))
+        if self._wants("on_ingest"):
+            for block in done:
                 self.ingested(block, self.source_tier)
-                answers[block.key] = self._stored(block, no_evict)
-                added.append(block.key)
-            else:
-                # Failed, timed out or aborted: a late success never becomes a success,
-                # and the engine may already be reusing the source memory.
-                self.index.remove(block)
-                if op.live(block.key):
-                    answers[block.key] = FAILED
-            fill_over(block)
-        self.index.flush_journal()  # committed before the engine hears of it
+        added = [b[3] for b in done]
+        answers: dict[BlockKey, OpEntryResult]
+        if no_evict:
+            answers = {b[3]: self._stored(b, no_evict) for b in done}
+        else:
+            answers = dict.fromkeys(added, SUCCESS)
+        if len(done) < len(held):
+            # Failed, timed out or aborted: a late success never becomes a success, and
+            # the engine may already be reusing the source memory.
+            for block in held:
+                if block.state is BlockState.FILLING:
+                    index.remove(block)
+                    if live(block[3]):
+                        answers[block[3]] = FAILED
+        index.fill_over(blocks)
+        index.flush_journal()  # committed before the engine hears of it
         op.moved += len(added)
         if added:
             self.callbacks.inventory(InventoryEvent(tuple(added), CacheTier.LOCAL_G2, False))
@@ -210,17 +219,20 @@ class LocalG2(Residency):
         bases = self.memory.pool_base
         dst: list[int] = []
         src: list[int] = []
-        for key in keys:
-            if not op.live(key):
+        live = op.live
+        for key, block in zip(keys, self.index.ready_views(keys)):
+            if not live(key):
                 continue
-            block = self.index.get(key)
-            if block is None or block.state is not BlockState.READY:
+            if block is None:
                 answers[key] = FAILED
                 continue
-            self.claim(block, now)
             claimed.append(block)
             dst.extend(destinations[key])
-            src.extend(base + slot for base, slot in zip(bases, block.slots))
+            if len(bases) == 1:
+                src.append(bases[0] + block[1])
+            else:
+                src.extend(base + slot for base, slot in zip(bases, block[4]))
+        self.index.claim_many(claimed, now)
         if answers:
             op.failure = op.failure or f"deliver: {len(answers)} keys are not in local G2"
         self.outbox.answer(op, answers)
@@ -241,11 +253,9 @@ class LocalG2(Residency):
         await self._follow(op, xfer, [b.key for b in claimed])
 
     def _settle_deliver(self, op: Operation, claimed: list[Block], ok: bool) -> None:
-        answers: dict[BlockKey, OpEntryResult] = {}
-        for block in claimed:
-            self.unclaim(block)
-            if op.live(block.key):
-                answers[block.key] = SUCCESS if ok else FAILED
+        self.unclaim_all(claimed)
+        live = op.live
+        answers = dict.fromkeys([b[3] for b in claimed if live(b[3])], SUCCESS if ok else FAILED)
         if ok:
             op.moved += len(answers)
         else:
@@ -258,12 +268,12 @@ class LocalG2(Residency):
         """Claim and answer the keys that are ready now; the keys still being filled are
         returned for :meth:`fetch`. Synchronous on purpose: the runtime calls it before the
         rest of the operation (a peer or G3 part that makes room) can evict these blocks."""
-        filling = [
-            k
-            for k in keys
-            if (b := self.index.get(k)) is not None and b.state is BlockState.FILLING
-        ]
-        self._claim_fetched(op, [k for k in keys if k not in filling] if filling else keys)
+        filling = self.index.filling(keys)
+        if filling:
+            later = set(filling)
+            self._claim_fetched(op, [k for k in keys if k not in later])
+        else:
+            self._claim_fetched(op, keys)
         return filling
 
     async def fetch(self, op: Operation, keys: Sequence[BlockKey]) -> None:
@@ -273,11 +283,10 @@ class LocalG2(Residency):
     def _claim_fetched(self, op: Operation, keys: Sequence[BlockKey]) -> None:
         now = trio.current_time()
         answers: dict[BlockKey, OpEntryResult] = {}
-        for key in keys:
+        for key, block in zip(keys, self.index.ready_views(keys)):
             if not op.live(key):
                 continue
-            block = self.index.get(key)
-            if block is None or block.state is not BlockState.READY:
+            if block is None:
                 answers[key] = FAILED
                 continue
             self.index.touch(block, now)

@@ -8,18 +8,23 @@ queued for eviction by the policy's score; the LOCAL_G2 inventory is republished
 G3 records are kept aside in the journal for the file tier. Anything else is skipped (and
 counted in the log): a record from outside is never trusted to point at memory.
 
-Then :class:`Mirror` is the index's journal sink. If the journal cannot hold even a snapshot
+Then :class:`Mirror` is the index's journal sink. When the index holds exactly what was
+replayed, it resumes the journal after its last whole frame (no snapshot, so a warm start
+costs no write of the whole state, and the guard's follower simply goes on); otherwise it
+starts a new epoch with a snapshot. If the journal cannot hold even a snapshot
 of the live state, recovery is disabled for the group (logged as ``KVCR pool recovery
 disabled``) and the worker goes on; it is enabled again once a snapshot fits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
+import attrs
+
 from kvcr.guard import journal
-from kvcr.runtime.index import Block, BlockIndex, BlockState
+from kvcr.runtime.index import BlockIndex
 from kvcr.types import BlockKey
 
 
@@ -35,6 +40,7 @@ class Mirror(journal.Writer):
         kept: dict[BlockKey, journal.Residency],
         group: int | None,
         log: Any,
+        resume: journal.Position | None = None,
     ) -> None:
         self._source = buf
         self._index = index
@@ -47,7 +53,7 @@ class Mirror(journal.Writer):
         self._put_keys: list[BlockKey] = []
         self._put_slots: list[tuple[int, ...]] = []
         self._removed: list[BlockKey] = []
-        super().__init__(buf, self._live)
+        super().__init__(buf, self._live, resume)
         if self.disabled:
             self._disabled()
 
@@ -68,12 +74,19 @@ class Mirror(journal.Writer):
             self.remove_batch(gone, journal.REMOVE_G3)
 
     def _live(self) -> Iterator[journal.Entry]:
-        ready = BlockState.READY
-        for key, block in self._index.blocks.items():
-            if block.state is ready:
-                yield (journal.PUT_G2, key, block.slots)
+        keys, slots = self._index.ready_records()
+        width = len(self._index.pools)
+        for i, key in enumerate(keys):
+            yield (journal.PUT_G2, key, tuple(slots[i * width : (i + 1) * width].tolist()))
         for key, residency in self._kept.items():
             yield (residency.tier, key, residency.values)
+
+    def snapshot(self) -> bytes:
+        """The live state from the index's arrays, no object per block."""
+        keys, slots = self._index.ready_records()
+        g2 = journal.encode_flat(journal.PUT_G2, keys, slots, len(self._index.pools))
+        g3 = journal.encode_snapshot((r.tier, key, r.values) for key, r in self._kept.items())
+        return g2 + g3
 
     @property
     def fill_percent(self) -> float:
@@ -85,10 +98,21 @@ class Mirror(journal.Writer):
         self._put_keys.append(key)
         self._put_slots.append(slots)
 
+    def committed_many(self, keys: list[BlockKey], slots: list[tuple[int, ...]]) -> None:
+        if self._removed:
+            self._drain()
+        self._put_keys.extend(keys)
+        self._put_slots.extend(slots)
+
     def removed(self, key: BlockKey) -> None:
         if self._put_keys:
             self._drain()
         self._removed.append(key)
+
+    def removed_many(self, keys: list[BlockKey]) -> None:
+        if self._put_keys:
+            self._drain()
+        self._removed.extend(keys)
 
     def _drain(self) -> None:
         if self._put_keys:
@@ -116,7 +140,7 @@ class Mirror(journal.Writer):
         self.log.error(
             "KVCR pool recovery disabled",
             group=self.group,
-            blocks=len(self._index.blocks),
+            blocks=len(self._index),
             reason="the journal cannot hold a snapshot of the live state",
         )
 
@@ -127,39 +151,66 @@ class Mirror(journal.Writer):
         self._source.release()
 
 
+@attrs.frozen(eq=False)
+class Followed:
+    """A journal replayed ahead of time: the index it built, the G3 records kept aside, and
+    where a writer resumes (None: with a snapshot)."""
+
+    index: BlockIndex
+    g3: dict[BlockKey, journal.Residency]
+    position: journal.Position | None
+
+
+class Replayed:
+    """A journal replayed into a block index: G2 puts become READY records (checked by
+    :meth:`BlockIndex.put_recovered`), G3 residencies are kept aside for the file tier."""
+
+    def __init__(self, index: BlockIndex) -> None:
+        self.index = index
+        self.g3: dict[BlockKey, journal.Residency] = {}
+        self.skipped = 0  # G2 puts left out: the index then differs from the journal
+
+    def put(self, tier: int, keys: list[bytes], values: Sequence[int], count: int) -> None:
+        # The one place replayed journal keys (raw bytes) become block keys: the keys that
+        # were put, byte for byte.
+        block_keys = cast("list[BlockKey]", keys)
+        if tier == journal.PUT_G2:
+            self.skipped += self.index.put_recovered(block_keys, values)
+        else:
+            for i, key in enumerate(block_keys):
+                self.g3[key] = journal.Residency(tier, tuple(values[i * count : (i + 1) * count]))
+
+    def remove(self, op: int, keys: list[bytes]) -> None:
+        block_keys = cast("list[BlockKey]", keys)
+        if op == journal.REMOVE:
+            self.index.forget_recovered(block_keys)
+        else:
+            for key in block_keys:
+                self.g3.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def followed(self, position: journal.Position | None) -> Followed:
+        """What a runtime takes over, the journal having been replayed up to ``position``."""
+        return Followed(self.index, self.g3, None if self.skipped else position)
+
+
 def recover(
     index: BlockIndex, buf: memoryview, log: Any
-) -> tuple[list[Block], dict[BlockKey, journal.Residency]]:
-    """Replay ``buf`` into ``index``: the blocks restored, and the G3 records kept aside."""
-    replay = journal.read(buf)
-    capacities = [pool.capacity for pool in index.pools]
-    taken: list[set[int]] = [set() for _ in capacities]
-    records: list[tuple[BlockKey, tuple[int, ...]]] = []
-    # The one place replayed journal keys (raw bytes) become block keys: the keys that were
-    # put, byte for byte.
-    state = cast("dict[BlockKey, journal.Residency]", replay.state)
-    kept = dict(cast("dict[BlockKey, journal.Residency]", replay.g3))  # checked by the G3 tier
-    skipped = 0
-    for key, residency in state.items():
-        slots = residency.values
-        if (
-            residency.tier != journal.PUT_G2
-            or len(slots) != len(capacities)
-            or any(not 0 <= s < cap or s in seen for s, cap, seen in zip(slots, capacities, taken))
-        ):
-            skipped += 1
-            continue
-        for slot, seen in zip(slots, taken):
-            seen.add(slot)
-        records.append((key, slots))
-    blocks = index.restore(records)
+) -> tuple[Replayed, journal.Position | None]:
+    """Replay ``buf`` into ``index`` (empty): what was replayed, and where a writer can
+    resume the journal (None when it must start over with a snapshot: the index differs
+    from the journal, or recovery was disabled)."""
+    replay = journal.read(buf, lambda: Replayed(index))
+    replayed: Replayed = replay.state
     log.info(
         "recovered",
-        blocks=len(blocks),
-        g3_records=len(kept),
-        skipped=skipped,
+        blocks=len(index),
+        g3_records=len(replayed.g3),
+        skipped=replayed.skipped,
         epoch=replay.epoch,
         frames=replay.frames,
         disabled=replay.disabled,
     )
-    return blocks, kept
+    return replayed, None if replayed.skipped else replay.position

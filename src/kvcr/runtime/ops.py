@@ -147,12 +147,15 @@ class Outbox:
         fresh = {k: v for k, v in entries.items() if k in op.pending}
         if not fresh:
             return
-        op.ok_keys.update(k for k, v in fresh.items() if v.success)
-        failed = [k for k, v in fresh.items() if v.status is OpEntryStatus.FAILED]
+        ok, failed = op.ok_keys, []
+        for key, entry in fresh.items():
+            if entry.success:
+                ok.add(key)
+            elif entry.status is OpEntryStatus.FAILED:
+                failed.append(key)
         if failed and any(not keys.isdisjoint(failed) for keys in op.xfers.values()):
             self._report_uncertain(op)
-        for key in fresh:
-            op.pending.discard(key)
+        op.pending.difference_update(fresh)
         self.results.append((op.handle, fresh))
         if not op.pending:
             self._open_ops.pop(op.handle, None)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import trio
 
@@ -42,6 +42,28 @@ _DROP = (PlacementAction.DROP, None)
 _NONE: frozenset[CacheTier] = frozenset()
 
 
+def custom_hooks(policy: KVCachePolicy) -> frozenset[str]:
+    """The hooks ``policy`` defines itself (the others are KVCachePolicy's defaults, which
+    the tier applies directly: no BlockMeta, no call)."""
+    return frozenset(
+        hook
+        for hook in POLICY_HOOKS
+        if getattr(type(policy), hook, None) is not getattr(KVCachePolicy, hook)
+    )
+
+
+class IndexOptions(TypedDict):
+    score_is_recency: bool
+    policy_metadata: bool
+
+
+def index_options(policy: KVCachePolicy) -> IndexOptions:
+    """How a block index serves ``policy``: the base policy scores by recency alone (one
+    array for both), and only a policy's own hooks read access counts and positions."""
+    hooks = custom_hooks(policy)
+    return {"score_is_recency": "eviction_score" not in hooks, "policy_metadata": bool(hooks)}
+
+
 async def wait_filled(block: Block) -> None:
     """Wait until ``block``'s fill is over, committed or not. The event is made only when
     somebody waits: most fills have no waiter."""
@@ -53,11 +75,7 @@ async def wait_filled(block: Block) -> None:
 def claim(index: BlockIndex, block: Block, now: float | None = None) -> None:
     """Hold ``block`` in ``index`` (a read, a write to a peer, a release handle): out of
     the eviction queue until the last claim goes; ``now`` counts as an access."""
-    block.claims += 1
-    if now is not None:
-        index.touch(block, now)
-    if block.queued:
-        index.dequeue(block)
+    index.claim(block, now)
 
 
 def unclaim(
@@ -65,8 +83,7 @@ def unclaim(
 ) -> None:
     """Drop one claim; the last one queues the block again with a fresh score (``now``: an
     access that ended now)."""
-    block.claims -= 1
-    if block.claims == 0 and not block.queued and index.holds(block):
+    if index.unclaim(block):
         if now is not None:
             index.touch(block, now)
         index.rescore(block, score(block))
@@ -95,11 +112,9 @@ class Residency(Part):
         self.handles: dict[int, BlockKey] = {}
         # Hooks the policy leaves as KVCachePolicy's defaults are not called: the default is
         # applied directly, which saves a BlockMeta and a call per key on the hot paths.
+        custom = custom_hooks(policy)
         self._hooks = {
-            hook: None
-            if getattr(type(policy), hook, None) is getattr(KVCachePolicy, hook)
-            else getattr(policy, hook)
-            for hook in POLICY_HOOKS
+            hook: getattr(policy, hook) if hook in custom else None for hook in POLICY_HOOKS
         }
         self.watermark = [math.ceil(p.capacity * watermark_percent / 100) for p in index.pools]
         # The file tier, once the runtime has started it; spills run as tasks of ``spawn``.
@@ -109,6 +124,11 @@ class Residency(Part):
         self._spilled = trio.Event()
 
     # -- policy plumbing -------------------------------------------------------------------
+
+    @property
+    def scores_by_policy(self) -> bool:
+        """Whether the policy scores blocks itself (else: by recency)."""
+        return self._hooks["eviction_score"] is not None
 
     def meta(self, block: Block, resident: frozenset[CacheTier] | None = None) -> BlockMeta:
         if resident is None:
@@ -131,6 +151,19 @@ class Residency(Part):
         meta = self.meta(block, None if tier is CacheTier.LOCAL_G2 else _G3)
         score: float = self._policy("eviction_score", 0.0, meta, tier)
         return score
+
+    def scores(self, blocks: Sequence[Block]) -> list[float] | None:
+        """The blocks' G2 eviction scores, or None when they are their recency (the base
+        policy: the index reads them from its arrays)."""
+        if self._hooks["eviction_score"] is None:
+            return None
+        return [self.score(block) for block in blocks]
+
+    def unclaim_all(self, blocks: Sequence[Block]) -> None:
+        """:meth:`unclaim` for many blocks at once."""
+        back = self.index.unclaim_many(blocks)
+        if back:
+            self.index.requeue(back, self.scores(back))
 
     def _policy(self, hook: str, default: Any, *args: Any) -> Any:
         fn = self._hooks[hook]
@@ -219,6 +252,12 @@ class Residency(Part):
         return granted
 
     def evict(self, count: int) -> int:
+        if not self._wants("decide_eviction") and not self._wants("on_remove"):
+            # Nothing to ask the policy per block: the index evicts in one pass.
+            dropped = self.index.evict(count)
+            if dropped:
+                self.callbacks.inventory(InventoryEvent(tuple(dropped), CacheTier.LOCAL_G2, True))
+            return len(dropped)
         removed: list[BlockKey] = []
         spills: list[Block] = []
         victims = self.index.victims(self.score)
@@ -233,9 +272,9 @@ class Residency(Part):
                     if action is PlacementAction.KEEP:
                         continue
                     if action is PlacementAction.MOVE_TO and tier is CacheTier.G3 and self.g3:
-                        # The slot stays until the G3 copy is committed: claimed meanwhile.
+                        # The slot stays until the G3 copy is committed: claimed meanwhile
+                        # (and out of the queue: the victims already are).
                         block.claims += 1
-                        block.queued = False
                         spills.append(block)
                         continue
                 self.index.remove(block)
@@ -318,7 +357,7 @@ class Residency(Part):
     # -- waiting for fills in progress ---------------------------------------------------------
 
     async def wait_fills(self, keys: Sequence[BlockKey]) -> None:
-        for key in keys:
+        for key in self.index.filling(keys):
             block = self.index.get(key)
             if block is not None and block.state is BlockState.FILLING:
                 await wait_filled(block)
@@ -341,26 +380,15 @@ class Residency(Part):
     # -- alignment -------------------------------------------------------------------------
 
     def align(self, keys: Sequence[BlockKey], use_current_time: bool, now: float) -> None:
-        placed = [
-            (position, b)
-            for position, k in enumerate(keys)
-            if (b := self.index.get(k)) is not None and b.state is BlockState.READY
-        ]
-        if not placed:
-            return
-        blocks = [b for _, b in placed]
-        if use_current_time:
-            anchor = now
-        else:
-            anchor = max(b.last_access for b in blocks if b.last_access is not None)
         # Earlier positions of a prefix are worth more than later ones: they become the
         # most recent, so a prefix is evicted from its tail.
-        for position, block in placed:
-            block.position = position
-            block.last_access = anchor - position * 1e-9
+        recs = self.index.align(keys, now if use_current_time else None)
+        if not len(recs):
+            return
+        hook, scored = self._wants("on_align_sequence"), self.scores_by_policy
+        blocks = self.index.views(recs) if hook or scored else []
         # The hook first, then the scores: a policy may score by what the hook taught it.
-        if self._wants("on_align_sequence"):
+        if hook:
             metas = [self.meta(b) for b in blocks]
             self._policy("on_align_sequence", None, metas, use_current_time)
-        for block in blocks:
-            self.index.rescore(block, self.score(block))
+        self.index.requeue_records(recs, self.scores(blocks) if scored else None)

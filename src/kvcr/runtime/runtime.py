@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import trio
 
 from kvcr.g3.files import G3Files
@@ -44,7 +45,7 @@ from kvcr.runtime.commands import (
     Release,
 )
 from kvcr.runtime.g3 import G3Tier
-from kvcr.runtime.index import BlockIndex, SlotPool
+from kvcr.runtime.index import BlockIndex, Published, SlotPool
 from kvcr.runtime.local import LocalG2
 from kvcr.runtime.mirror import Mirror, recover
 from kvcr.runtime.ops import FAILED, Deadlines, Framework, Operation, RemotePart, record
@@ -53,6 +54,7 @@ from kvcr.runtime.peers import Peers, RemotePull
 from kvcr.runtime.pins import Pins
 from kvcr.runtime.plane import Plane
 from kvcr.runtime.remote import Remote
+from kvcr.runtime.residency import index_options
 from kvcr.runtime.source import Source
 from kvcr.runtime.transfers import Transfers, Xfer
 from kvcr.transport.base import Transport
@@ -86,7 +88,7 @@ class Runtime(Part):
         super().__init__(context, shared)
         self.has_pools = has_pools
         self.g3: G3Tier | None = None
-        self.g3_view: dict[BlockKey, Any] = {}  # published for query, like index.view
+        self.g3_view = Published()  # the file tier's index for query, once it runs
         self.journal = journal  # the guard group's recovery journal, owned from here on
         self.mirror: Mirror | None = None
         pools = [
@@ -95,7 +97,15 @@ class Runtime(Part):
                 self.memory.pool_names, self.memory.block_sizes, self.memory.pool_slots
             )
         ]
-        self.index = BlockIndex(pools)
+        followed = journal.followed if journal is not None else None
+        if followed is not None and [p.capacity for p in followed.index.pools] == [
+            p.capacity for p in pools
+        ]:
+            self.index = followed.index
+        else:
+            if journal is not None:
+                self.journal = journal = attrs.evolve(journal, followed=None)
+            self.index = BlockIndex(pools, **index_options(context.policy))
         self._transport_factory = transport_factory
         self.transport: Transport | None = None
         self.transfers: Transfers[Transport] | None = None
@@ -264,7 +274,7 @@ class Runtime(Part):
         return {
             "g3_capacity_bytes": pool.capacity * pool.block_size,
             "g3_used_bytes": pool.used * pool.block_size,
-            "g3_blocks": len(self.g3.view),
+            "g3_blocks": self.g3.index.ready_count,
         }
 
     def _close_g3(self, leaked: bool) -> None:
@@ -279,14 +289,19 @@ class Runtime(Part):
         """Recover the blocks the group's journal holds, then mirror changes into it. The
         replay (up to the journal's 100 MiB) runs off a shared loop; nothing else touches
         this runtime's index yet."""
-        blocks, kept = await self._blocking(recover, self.index, journal.buffer, self.log)
-        for block in blocks:
-            self.index.rescore(block, local.score(block))
-        self.mirror = Mirror(journal.buffer, self.index, kept, journal.group, self.log)
+        if journal.followed is not None:  # the guard followed it: the index is built
+            kept, resume = journal.followed.g3, journal.followed.position
+            self.log.info("recovered", blocks=len(self.index), g3_records=len(kept), followed=True)
+        else:
+            replayed, resume = await self._blocking(recover, self.index, journal.buffer, self.log)
+            kept = replayed.g3
+        # The base policy scores by recency, and recovered blocks have none: one pass.
+        self.index.queue_recovered(local.score if local.scores_by_policy else None)
+        self.mirror = Mirror(journal.buffer, self.index, kept, journal.group, self.log, resume)
         self.index.journal = self.mirror
-        if blocks:
-            keys = tuple(block.key for block in blocks)
-            self.shared.calls.inventory(InventoryEvent(keys, CacheTier.LOCAL_G2, False))
+        if len(self.index) and self.shared.calls.wants_inventory:
+            keys, _ = self.index.ready_records()
+            self.shared.calls.inventory(InventoryEvent(tuple(keys), CacheTier.LOCAL_G2, False))
 
     async def _start_peers(self, nursery: trio.Nursery, transport: Transport, pins: Pins) -> None:
         initialize = getattr(self.context.control, "initialize", None)
@@ -378,7 +393,8 @@ class Runtime(Part):
     async def _read(self, op: Operation, destinations: Any, remote: Hinted | None) -> None:
         """deliver or fetch: keys in local G2 locally, keys the request's hint covers from
         the hinted peer, both at once; other keys fail."""
-        resident = [k for k in op.keys if self.index.get(k) is not None]
+        index = self.index
+        resident = [k for k in op.keys if k in index]
         g3_keys: list[BlockKey] = []
         if self.g3 is not None:
             in_g2 = set(resident)

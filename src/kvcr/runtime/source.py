@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, cast
 import attrs
 import trio
 
-from kvcr.runtime.index import Block, BlockIndex, BlockState
+from kvcr.runtime.index import Block, BlockIndex
 from kvcr.runtime.lifecycle import JOB, WRITING, wire_state
 from kvcr.runtime.ops import Deadlines
 from kvcr.runtime.part import Part
@@ -331,11 +331,9 @@ class Source(Part):
             return wanted
         now = trio.current_time()
         bases = self.memory.pool_base
-        get, claim, claims = self.index.blocks.get, self.local.claim, job.claims
-        ready = BlockState.READY
-        for i, key in enumerate(job.keys):
-            block = get(key)
-            if block is not None and block.state is ready:
+        claim, claims = self.local.claim, job.claims
+        for i, block in enumerate(self.index.ready_views(job.keys)):
+            if block is not None:
                 claim(block, now)
                 claims.append(block)
                 wanted[i] = [base + slot for base, slot in zip(bases, block.slots)]
