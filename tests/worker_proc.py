@@ -277,7 +277,7 @@ class Soak:
         entries = self.engine.wait(self.kv, handle, len(keys))
         self.kv.discard_hint(request)
         memory, (_, block) = self.runtime.memory, self.kv.config.pool_layouts[0]
-        base = memory.desc_addrs[memory.pool_base[0]]  # the pool's first slot
+        base = memory.descriptors.addr(memory.pool_base[0])  # the pool's first slot
         out: dict[int, tuple[str, int | None]] = {}
         for k in keys:
             entry = entries[key(k)]

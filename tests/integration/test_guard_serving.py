@@ -14,6 +14,7 @@ import pytest
 import trio
 
 from guard_world import BLOCK
+from kvcr.guard import journal
 from kvcr.guard.client import KVCRClient
 from kvcr.guard.service import GuardService, ServiceConfig
 from kvcr.logs import capture_events, get_logger
@@ -100,3 +101,63 @@ async def test_a_served_group_runs_in_the_services_loop_and_is_cancelled_at_hand
     assert names.index("serving") < names.index("handed_back")
     assert "group_unusable" not in names and "serving_failed" not in names
     assert other_threads() == before
+
+
+SMALL = 4096  # bytes a block: many blocks in a small pool
+
+
+async def test_a_takeover_while_the_holder_commits_serves_exactly_what_its_journal_proves(
+    tmp_path: Path,
+) -> None:
+    """The holder commits 10k blocks, then dies with deposits still on their way into the
+    journal. The service serves from the index it has been following plus the tail it
+    applies after the death: exactly what a replay of the journal from scratch yields,
+    with the transport it opened while the group was held."""
+    (tmp_path / "pools").mkdir()
+    config = ServiceConfig(
+        socket_path=tmp_path / "g.sock",
+        pool_dir=tmp_path / "pools",
+        guard_count=1,
+        pool_sizes=[SMALL * 12_000],
+        compatibility_digest=DIGEST,
+    )
+    client = KVCRClient(config.socket_path)
+    service = GuardService(config, get_logger("kvcr.guard"))
+    with capture_events() as events:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(service.serve)
+            guard, port = (str(config.socket_path), 0, DIGEST), free_port()
+            spawn = functools.partial(SourceWorker, "dying", (SMALL, 16, 500), port, guard=guard)
+            holder = await trio.to_thread.run_sync(spawn)
+            try:
+                for first in range(0, 10_000, 500):
+                    batch = [(first + i, i, first + i) for i in range(500)]
+                    await trio.to_thread.run_sync(holder, "deposit", batch)
+                await trio.sleep(0.6)  # the follower has looked at least once
+                for first in range(10_000, 11_500, 500):  # on their way when it dies
+                    batch = [(first + i, i, first + i) for i in range(500)]
+                    await trio.to_thread.run_sync(holder, "deposit_nowait", batch)
+                await trio.to_thread.run_sync(holder.kill)
+                await wait_state(client, 0, "serving")
+
+                served = service.guards[0].server
+                assert served is not None
+                index = served.runtime.index
+                mapping = service.guards[0].mapping
+                offset, size = mapping.layout.journal
+                view = memoryview(mapping.mmap)[offset : offset + size]
+                try:
+                    proven = journal.read(view).state
+                finally:
+                    view.release()
+                assert 10_000 <= len(proven) <= 11_500
+                assert {b.key: b.slots for b in index.blocks()} == {
+                    k: r.values for k, r in proven.items()
+                }
+            finally:
+                await trio.to_thread.run_sync(holder.kill)
+            nursery.cancel_scope.cancel()
+    names = [e["event"] for e in events]
+    assert "standby_opened" in names and "takeover_failed" not in names
+    (recovered,) = [e for e in events if e["event"] == "recovered" and e.get("followed")]
+    assert recovered["blocks"] == len(proven)

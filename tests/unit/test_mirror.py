@@ -246,3 +246,19 @@ def test_a_crash_at_any_store_after_a_bulk_replay_recovers_a_published_state() -
             again = BlockIndex([SlotPool("p0", 4096, 10_016)])
             recover(again, memoryview(crashed), LOG)
             assert contents(again) in states, (skip, upto)
+
+
+def test_a_key_put_again_moves_to_its_latest_slots_and_frees_the_old_ones() -> None:
+    buf = memoryview(bytearray(SIZE))
+    writer = journal.Writer(buf, list)
+    writer.put_batch([b"a", b"b"], [(0, 0), (1, 1)])
+    writer.flush()
+    writer.put_batch([b"b", b"c"], [(5, 6), (2, 2)])  # b again, never removed
+    writer.flush()
+    writer.put_batch([b"a"], [(7, 7)])  # from here the replay goes key by key
+    writer.flush()
+    idx = index()
+    recover(idx, buf, LOG)
+    assert contents(idx) == {b"a": (7, 7), b"b": (5, 6), b"c": (2, 2)}
+    assert [p.free for p in idx.pools] == [5, 5] and idx.ready_count == 3
+    assert idx.audit()["double"] == 0 and idx.audit()["quarantined"] == 0

@@ -22,7 +22,7 @@ from kvcr.guard.journal import DictState, Follower, Replay, State
 from kvcr.guard.pools import GroupFile, map_group
 from kvcr.guard.procs import close_quietly
 from kvcr.guard.rules import Groups, Lease
-from kvcr.guard.serving import CannotServe, GroupServer
+from kvcr.guard.serving import CannotServe, GroupServer, Standby
 from kvcr.policy import LRUPolicy
 from kvcr.runtime.index import BlockIndex, SlotPool
 from kvcr.runtime.mirror import Followed, Replayed
@@ -57,6 +57,9 @@ class Guard:
         )
         self.journal: Replay | None = None  # what the follower saw last
         self._following = trio.Lock()  # one poll at a time: a takeover takes the state
+        # A transport opened over the pools while the group is held, for the next takeover.
+        self._standby: Standby | None = None
+        self._opening_standby = False
 
     def _replay_state(self) -> State:
         """What the follower replays into: a block index over the group's pools, which a
@@ -112,6 +115,8 @@ class Guard:
                     self._watch = (lease.number, scope)
                     current = self.groups[self.index].lease
                     if current is not None and current.number == lease.number:
+                        if self.nursery is not None:
+                            self.nursery.start_soon(self._open_standby)
                         await trio.lowlevel.wait_readable(pidfd)
                         exited = self.groups.end_lease(self.index, lease.number, "holder_exit")
             finally:
@@ -121,6 +126,23 @@ class Guard:
                 self.log.info("lease_ended", lease=lease.number, pid=lease.pid, reason="exited")
                 async with self.lock:
                     await self._take_over()
+
+    async def _open_standby(self) -> None:
+        """Open a transport over the held group's pools, so that a takeover does not wait
+        for NIXL set-up. A failure is logged: the takeover then opens its own."""
+        terms = self.groups[self.index].terms
+        if self._standby is not None or self._opening_standby or terms is None:
+            return
+        self._opening_standby = True
+        try:
+            standby = await trio.to_thread.run_sync(Standby.open, self.index, terms, self.mapping)
+        except Exception as exc:
+            self.log.warning("standby_failed", error=repr(exc), reason="a takeover opens its own")
+            return
+        finally:
+            self._opening_standby = False
+        self._standby = standby
+        self.log.info("standby_opened", agent=standby.name)
 
     async def follow(self, interval_s: float = FOLLOW_INTERVAL_S) -> None:
         """Keep up with the group's journal while a holder writes it, for ``status`` and so
@@ -175,10 +197,22 @@ class Guard:
         started = trio.current_time()
         assert self.nursery is not None, "the supervisor runs the Guard"
         followed = await self._followed()
+        standby, self._standby = self._standby, None
         try:
-            server = GroupServer.prepare(
-                self.index, group.terms, self.mapping, self.listener, self.log, followed
-            )
+            try:
+                server = GroupServer.prepare(
+                    self.index,
+                    group.terms,
+                    self.mapping,
+                    self.listener,
+                    self.log,
+                    followed,
+                    standby,
+                )
+            except BaseException:
+                if standby is not None:  # no runtime took it over
+                    await trio.to_thread.run_sync(standby.close)
+                raise
             self._servers.append(server)
             await server.start(self.nursery)
         except CannotServe as exc:
@@ -252,6 +286,9 @@ class Guard:
                 self.listener.close()
                 self.listener = None
             self.follower.release()
+            if self._standby is not None:  # never used: deregistered before the unmap
+                self._standby.close()
+                self._standby = None
             if kept:
                 self.log.error("group_kept_mapped", reason="a server's transfer may still run")
                 return

@@ -267,8 +267,8 @@ def _read_batch(payload: bytes | memoryview, pos: int, end: int, out: list[Chang
         # n removals of the empty key take no bytes at all, so n is bounded by nothing the
         # frame holds: they are one removal (applying it n times changes nothing more).
         n = min(n, 1)
-    blob = bytes(payload[pos:keys_end])
-    keys = [blob[i : i + klen] for i in range(0, n * klen, klen)] if klen else [b""] * n
+    # As numpy "void" items: bytes objects of exactly klen bytes, made in C.
+    keys = np.frombuffer(payload, f"V{klen}", n, pos).tolist() if klen else [b""] * n
     values = array.array("Q", bytes(payload[keys_end:values_end]))
     if sys.byteorder != "little":
         values.byteswap()

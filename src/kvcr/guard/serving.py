@@ -19,6 +19,7 @@ import itertools
 import os
 from typing import Any
 
+import attrs
 import trio
 
 from kvcr.config import KVCRBackendConfigs, KVCRConfig, LocalDramOptions, RemoteFWDramOptions
@@ -27,10 +28,65 @@ from kvcr.guard.pools import GroupMapping
 from kvcr.guard.rules import Terms
 from kvcr.instance import nixl_factory
 from kvcr.runtime.build import Journal, build
+from kvcr.runtime.memory import MemoryMap
 from kvcr.runtime.mirror import Followed
 
 _WILDCARDS = {"", "0.0.0.0", "::", "*"}
 _instances = itertools.count(1)
+
+
+def agent_name(index: int) -> str:
+    """A new NIXL agent name for a server of group ``index`` (peers tell incarnations
+    apart by it)."""
+    return f"kvcr-guard-{os.getpid()}-g{index}-{next(_instances)}"
+
+
+def server_configs(
+    name: str, terms: Terms, mapping: GroupMapping
+) -> tuple[KVCRConfig, KVCRBackendConfigs]:
+    """The config of a server of the group: its pools as the holder laid them out."""
+    layouts = list(terms.layouts)
+    pools = [
+        (pool, address, size)
+        for (pool, _), address, (_, size) in zip(
+            layouts, mapping.pool_addresses, mapping.layout.pools
+        )
+    ]
+    config = KVCRConfig(name, layouts)
+    backends = KVCRBackendConfigs(
+        local_dram=LocalDramOptions(pools=pools),
+        remote_fw_dram=RemoteFWDramOptions(eager_ctrl_connect=False, backend=terms.backend),
+    )
+    return config, backends
+
+
+@attrs.define(eq=False)
+class Standby:
+    """A NIXL transport opened over a held group's pools ahead of a takeover: creating the
+    agent and preparing a descriptor per slot takes ~0.3 s at a million slots, which a
+    takeover then does not wait for."""
+
+    name: str
+    transport: Any
+
+    @classmethod
+    def open(cls, index: int, terms: Terms, mapping: GroupMapping) -> Standby:
+        """Blocking (NIXL set-up): run it off the service's loop."""
+        name = agent_name(index)
+        config, backends = server_configs(name, terms, mapping)
+        assert backends.local_dram is not None
+        memory = MemoryMap(name, config.pool_layouts, backends.local_dram.pools, [])
+        transport = nixl_factory(config, backends)()
+        try:
+            transport.open_local(memory.segments)
+        except BaseException:
+            transport.close()
+            raise
+        return cls(name, transport)
+
+    def close(self) -> None:
+        """Blocking: deregister and close the unused transport."""
+        self.transport.close()
 
 
 class CannotServe(Exception):
@@ -71,10 +127,12 @@ class GroupServer:
         listener: Any,
         log: Any,
         followed: Followed | None = None,
+        standby: Standby | None = None,
     ) -> GroupServer:
         """Build the group's runtime over its pools and journal, not started yet
         (CannotServe when the group cannot be served). ``followed``: the journal replayed
-        already (the runtime takes its index over instead of replaying)."""
+        already (the runtime takes its index over instead of replaying); ``standby``: a
+        transport opened over the pools already (the runtime takes it over)."""
         host, port = listener.getsockname()[:2]
         advertise = terms.advertise or host
         if advertise in _WILDCARDS:
@@ -87,22 +145,13 @@ class GroupServer:
         journal = memoryview(mapping.mmap)[journal_offset : journal_offset + journal_size]
         try:
             channel.adopt_listener(listener.fileno())
-            layouts = list(terms.layouts)
-            pools = [
-                (name, address, size)
-                for (name, _), address, (_, size) in zip(
-                    layouts, mapping.pool_addresses, mapping.layout.pools
-                )
-            ]
-            config = KVCRConfig(f"kvcr-guard-{os.getpid()}-g{index}-{next(_instances)}", layouts)
-            backends = KVCRBackendConfigs(
-                local_dram=LocalDramOptions(pools=pools),
-                remote_fw_dram=RemoteFWDramOptions(eager_ctrl_connect=False, backend=terms.backend),
-            )
+            name = standby.name if standby is not None else agent_name(index)
+            config, backends = server_configs(name, terms, mapping)
+            factory = nixl_factory(config, backends)
             built = build(
                 config,
                 backends,
-                nixl_factory(config, backends),
+                (lambda: standby.transport) if standby is not None else factory,
                 log=log.bind(agent=config.nixl_agent_name),
                 control=channel,
                 journal=Journal(journal, index, followed),

@@ -269,6 +269,7 @@ class BlockIndex:
         self.positions = array.array("i", [-1]) * capacity if policy_metadata else None
         self.waiters: dict[tuple[int, int], trio.Event] = {}
         self.ready_count = 0
+        self._replayed_again = False  # a replay put a key that had a record
         # What query answers, by a record's flags.
         self._answers: list[Answer] = [MISS] * 8
         self._answers[_ATTACHED | _READY] = ready
@@ -642,18 +643,29 @@ class BlockIndex:
         (``slots``: one per pool for each key, flat), without recency, not queued (see
         :meth:`queue_recovered`). A key replayed again moves. A key whose slots are not one
         in range per pool, each free, is left out: a record from outside is never trusted
-        to point at memory. Returns how many were left out."""
+        to point at memory. Returns how many were left out.
+
+        A batch of distinct keys in free, distinct slots (what a writer publishes) goes in
+        with numpy and one dict update; anything else key by key."""
         width = len(self.pools)
         if len(slots) != width * len(keys):
             return len(keys)
         if not keys:
             return 0
         wanted = np.asarray(slots, dtype=np.uint64).reshape(len(keys), width)
-        fresh = dict.fromkeys(keys)
-        if len(fresh) == len(keys) and self.recs.keys().isdisjoint(fresh):
-            columns = [wanted[:, p] for p in range(width)]
-            if all(self._free_and_distinct(p, c) for p, c in zip(self.pools, columns)):
-                self._put_all(keys, [c.astype(np.intp) for c in columns])
+        columns = [wanted[:, p] for p in range(width)]
+        if not self._replayed_again and all(
+            self._free_and_distinct(p, c) for p, c in zip(self.pools, columns)
+        ):
+            batch = dict(zip(keys, columns[0].tolist()))
+            if len(batch) == len(keys):
+                before = len(self.recs)
+                self._put_all(keys, [c.astype(np.intp) for c in columns], batch)
+                if len(self.recs) != before + len(keys):
+                    # Some keys had records: those are superseded. Rare (a writer removes
+                    # a key before putting it again), so from now on key by key.
+                    self._drop_superseded()
+                    self._replayed_again = True
                 return 0
         return self._put_one_by_one(keys, wanted.tolist())
 
@@ -663,10 +675,15 @@ class BlockIndex:
             return False
         index = slots.astype(np.intp)
         taken = np.frombuffer(pool.taken, np.uint8)
-        return not taken[index].any() and len(np.unique(index)) == len(index)
+        if taken[index].any():
+            return False
+        # A writer hands slots out ascending: then they are distinct without a sort.
+        return bool(np.all(index[1:] > index[:-1])) or len(np.unique(index)) == len(index)
 
-    def _put_all(self, keys: Sequence[BlockKey], columns: list[np.ndarray]) -> None:
-        """put_recovered for keys checked new, distinct and in free, distinct slots."""
+    def _put_all(
+        self, keys: Sequence[BlockKey], columns: list[np.ndarray], batch: dict[BlockKey, int]
+    ) -> None:
+        """put_recovered for distinct keys in free, distinct slots (``batch``: key -> rec)."""
         recs = columns[0]
         for pool, column in zip(self.pools, columns):
             pool.take_checked(column)
@@ -678,8 +695,18 @@ class BlockIndex:
         if self.positions is not None:
             np.frombuffer(self.positions, np.int32)[recs] = -1
         self.keys[recs] = keys
-        self.recs.update(zip(keys, recs.tolist()))
+        self.recs.update(batch)
         self.ready_count += len(keys)
+
+    def _drop_superseded(self) -> None:
+        """Drop every record whose key now maps to another record (a replay moved it)."""
+        recs, keys, flags = self.recs, self.keys, self.flags
+        for rec in np.flatnonzero(np.frombuffer(flags, np.uint8) & _ATTACHED).tolist():
+            if recs.get(keys[rec]) != rec:
+                block = self._view(rec, keys[rec])
+                flags[rec] &= ~_ATTACHED
+                self.ready_count -= 1
+                self.release_slots(block)
 
     def _put_one_by_one(self, keys: Sequence[BlockKey], rows: list[list[int]]) -> int:
         skipped = 0
@@ -690,7 +717,7 @@ class BlockIndex:
             if any(not 0 <= s < p.capacity or p.taken[s] for s, p in zip(row, self.pools)):
                 skipped += 1
                 continue
-            self._put_all([key], [np.array([s], np.intp) for s in row])
+            self._put_all([key], [np.array([s], np.intp) for s in row], {key: row[0]})
         return skipped
 
     def forget_recovered(self, keys: Sequence[BlockKey]) -> None:

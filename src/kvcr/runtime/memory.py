@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvcr.transport.base import Segment
+import numpy as np
+
+from kvcr.transport.base import Descriptors, Segment
 from kvcr.types import MemoryRef, PoolBlockLayouts, RegionDescriptor
 
 
@@ -53,17 +55,12 @@ class MemoryMap:
             base += region.count
         self.descriptor_count = base
         self.bytes_per_key = sum(self.block_sizes)
-        # Address and size of every descriptor, for building peer ranges without lookups.
-        self.desc_addrs: list[int] = []
-        self.desc_sizes: list[int] = []
-        for segment in self.segments:
-            self.desc_addrs.extend(segment.element_addrs())
-            self.desc_sizes.extend([segment.element_size] * segment.count)
+        self.descriptors = Descriptors(self.segments)
 
     def ranges(self, descs: Sequence[int]) -> list[tuple[int, int]]:
         """(address, bytes) of each descriptor: what a peer writes into."""
-        addrs, sizes = self.desc_addrs, self.desc_sizes
-        return [(addrs[d], sizes[d]) for d in descs]
+        addrs, sizes = self.descriptors.lookup(np.asarray(descs, dtype=np.int64))
+        return list(zip(addrs.tolist(), sizes.tolist()))
 
     def slot_ref(self, pool: int, slot: int) -> MemoryRef:
         return MemoryRef(

@@ -13,11 +13,13 @@ handle, the destination calls ``notifications`` (or ``progress``).
 
 from __future__ import annotations
 
+import bisect
 import enum
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import attrs
+import numpy as np
 
 
 class XferState(enum.Enum):
@@ -58,6 +60,45 @@ class Segment:
     def element_addrs(self) -> range:
         """The address of every element, in order."""
         return range(self.addr, self.addr + self.count * self.pitch, self.pitch)
+
+
+class Descriptors:
+    """The descriptors of ``segments``, numbered in segment order: address and size of
+    each by arithmetic on its segment, with no table per element (a pool of a million
+    slots costs nothing to describe, and nothing the garbage collector walks)."""
+
+    def __init__(self, segments: Sequence[Segment]) -> None:
+        counts = [seg.count for seg in segments]
+        self.count = sum(counts)
+        self._starts = [0]
+        for n in counts[:-1]:
+            self._starts.append(self._starts[-1] + n)
+        self._segments = list(segments)
+        self._starts_np = np.array(self._starts, dtype=np.int64)
+        self._addr_np = np.array([s.addr for s in segments], dtype=np.int64)
+        self._pitch_np = np.array([s.pitch for s in segments], dtype=np.int64)
+        self._size_np = np.array([s.element_size for s in segments], dtype=np.int64)
+
+    def addr(self, desc: int) -> int:
+        if not 0 <= desc < self.count:
+            raise IndexError(f"descriptor {desc} is not one of {self.count}")
+        i = bisect.bisect_right(self._starts, desc) - 1
+        return self._segments[i].element_addr(desc - self._starts[i])
+
+    def size(self, desc: int) -> int:
+        if not 0 <= desc < self.count:
+            raise IndexError(f"descriptor {desc} is not one of {self.count}")
+        return self._segments[bisect.bisect_right(self._starts, desc) - 1].element_size
+
+    def lookup(self, descs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Addresses and sizes (int64) of ``descs``, each checked in range (IndexError
+        naming the first that is not)."""
+        if len(descs) and (descs.min() < 0 or descs.max() >= self.count):
+            bad = descs[(descs < 0) | (descs >= self.count)][0]
+            raise IndexError(f"descriptor {int(bad)} is not one of {self.count}")
+        seg = np.searchsorted(self._starts_np, descs, side="right") - 1
+        addrs = self._addr_np[seg] + (descs - self._starts_np[seg]) * self._pitch_np[seg]
+        return addrs, self._size_np[seg]
 
 
 class XferPoller(Protocol):

@@ -29,10 +29,13 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 
-from kvcr.transport.base import Segment, TransportError, XferState
+import numpy as np
+
+from kvcr.transport.base import Descriptors, Segment, TransportError, XferState
 
 INLINE_BYTES = 256 * 1024  # copied in post, on the caller's thread (GIL released)
 CHUNK_BYTES = 1024 * 1024  # the least a copy thread is given
+SMALL_COPY = 16  # descriptors: fewer are turned into runs without numpy
 _memmove = ctypes.memmove  # a CFUNCTYPE: the GIL is released for the call
 
 
@@ -110,14 +113,11 @@ class Copier:
         self._threads_wanted = threads
         self._threads: list[threading.Thread] = []
         self._chunks: queue.SimpleQueue[tuple[CopyJob, list[Run]] | None] = queue.SimpleQueue()
-        self._addrs: list[int] = []
-        self._sizes: list[int] = []
+        self._descs = Descriptors([])
         self._on_done: Callable[[], None] | None = None
 
     def open(self, segments: Sequence[Segment]) -> None:
-        for seg in segments:
-            self._addrs.extend(seg.element_addrs())
-            self._sizes.extend([seg.element_size] * seg.count)
+        self._descs = Descriptors(segments)
         for i in range(self._threads_wanted):
             thread = threading.Thread(
                 target=self._work, name=f"kvcr-copy-{i}-{self._name}", daemon=True
@@ -142,21 +142,47 @@ class Copier:
         return job
 
     def _runs(self, dst: Sequence[int], src: Sequence[int], what: str) -> tuple[list[Run], int]:
+        """The copy as address runs: adjacent descriptors on both sides merge into one run
+        (computed with numpy: no Python step per descriptor)."""
         if len(dst) != len(src):
             raise TransportError(f"{what}: {len(dst)} destinations for {len(src)} sources")
-        addrs, sizes, count = self._addrs, self._sizes, len(self._addrs)
+        if len(dst) <= SMALL_COPY:
+            return self._few_runs(dst, src, what)
+        d, s = np.asarray(dst, dtype=np.int64), np.asarray(src, dtype=np.int64)
+        try:
+            d_addr, d_size = self._descs.lookup(d)
+            s_addr, s_size = self._descs.lookup(s)
+        except IndexError as exc:
+            raise TransportError(f"{what}: {exc}") from None
+        if (d_size != s_size).any():
+            i = int(np.flatnonzero(d_size != s_size)[0])
+            raise TransportError(
+                f"{what}: descriptor {int(s[i])} ({int(s_size[i])} bytes) copied into "
+                f"{int(d[i])} ({int(d_size[i])} bytes)"
+            )
+        ends = d_addr + d_size
+        joined = (d_addr[1:] == ends[:-1]) & (s_addr[1:] == s_addr[:-1] + d_size[:-1])
+        starts = np.flatnonzero(np.concatenate(([True], ~joined)))
+        offsets = np.concatenate(([0], np.cumsum(d_size)))
+        lengths = offsets[np.append(starts[1:], len(d))] - offsets[starts]
+        runs = list(zip(d_addr[starts].tolist(), s_addr[starts].tolist(), lengths.tolist()))
+        return runs, int(offsets[-1])
+
+    def _few_runs(self, dst: Sequence[int], src: Sequence[int], what: str) -> tuple[list[Run], int]:
+        """:meth:`_runs` for a few descriptors, without numpy's fixed cost."""
+        descs = self._descs
         runs: list[Run] = []
         total = 0
         d_end = s_end = -1
         for d, s in zip(dst, src):
-            if not (0 <= d < count and 0 <= s < count):
-                raise TransportError(f"{what}: descriptor {d} or {s} is not one of {count}")
-            n = sizes[d]
-            if sizes[s] != n:
+            try:
+                da, sa, n, m = descs.addr(d), descs.addr(s), descs.size(d), descs.size(s)
+            except IndexError as exc:
+                raise TransportError(f"{what}: {exc}") from None
+            if m != n:
                 raise TransportError(
-                    f"{what}: descriptor {s} ({sizes[s]} bytes) copied into {d} ({n} bytes)"
+                    f"{what}: descriptor {s} ({m} bytes) copied into {d} ({n} bytes)"
                 )
-            da, sa = addrs[d], addrs[s]
             if da == d_end and sa == s_end:
                 last = runs[-1]
                 runs[-1] = (last[0], last[1], last[2] + n)

@@ -177,6 +177,7 @@ class NixlTransport:
             ) from exc
         self._registrations: list[Any] = []
         self._local: Any = None
+        self._opened: list[Segment] | None = None  # what open_local registered
         self._count = 0
         self._sizes: np.ndarray = np.zeros(0, dtype=np.int64)
         self._peers: dict[str, bytes] = {}  # agent name -> the metadata loaded for it
@@ -184,6 +185,15 @@ class NixlTransport:
         self._notifs: list[tuple[str, bytes]] = []  # drained by progress(), not yet handed out
 
     def open_local(self, segments: Sequence[Segment]) -> None:
+        """Register ``segments`` and prepare a descriptor per element. Again with the same
+        segments, nothing (a transport opened ahead of its runtime, the guard's standby)."""
+        if self._opened is not None:
+            if list(segments) != self._opened:
+                raise TransportError(
+                    f"NIXL agent {self.agent_name!r}: opened over other memory already"
+                )
+            return
+        self._opened = list(segments)
         if not segments:
             return  # nothing of ours to move: peers may still be served nothing
         for seg in segments:
