@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import array
 import enum
+import itertools
+import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from operator import itemgetter
 from typing import TYPE_CHECKING, Protocol
@@ -130,6 +132,9 @@ class BlockState(enum.Enum):
 
 
 _new = tuple.__new__
+# Every index by number, for its views (which hold no reference: see Block).
+_INDEXES: weakref.WeakValueDictionary[int, BlockIndex] = weakref.WeakValueDictionary()
+_numbers = itertools.count()
 
 # Flags of a record (one byte per rec; 0: no record).
 _FILLING, _READY, _ATTACHED = 1, 2, 4  # ATTACHED: in the index (not detached)
@@ -137,19 +142,26 @@ _STATE = {0: BlockState.GONE, _FILLING: BlockState.FILLING, _READY: BlockState.R
 _READY_STATE = BlockState.READY
 
 
-class Block(tuple):  # (index, rec, gen, key, slots)
+class Block(tuple):  # (rec, gen, key, slots, number of its index)
     """A view of one record of a :class:`BlockIndex` (see the module docstring). Its
     ``key`` and ``slots`` never change; the other fields are the record's, read and written
-    through the index's arrays, as long as the record lives. A tuple, because views are
-    made per key on hot paths: one C call, and two views of one record are equal."""
+    through the index's arrays, as long as the record lives.
+
+    A tuple of ints and bytes, because views are made per key on hot paths: one C call,
+    two views of one record are equal, and the garbage collector stops tracking a view at
+    its first look (it names its index by number), so views held by operations never pile
+    up in the old generations and trigger full collections of the engine's process."""
 
     __slots__ = ()
 
-    _index: BlockIndex = property(itemgetter(0))  # type: ignore[assignment]
-    rec: int = property(itemgetter(1))  # type: ignore[assignment]
-    gen: int = property(itemgetter(2))  # type: ignore[assignment]
-    key: BlockKey = property(itemgetter(3))  # type: ignore[assignment]
-    slots: tuple[int, ...] = property(itemgetter(4))  # type: ignore[assignment]
+    rec: int = property(itemgetter(0))  # type: ignore[assignment]
+    gen: int = property(itemgetter(1))  # type: ignore[assignment]
+    key: BlockKey = property(itemgetter(2))  # type: ignore[assignment]
+    slots: tuple[int, ...] = property(itemgetter(3))  # type: ignore[assignment]
+
+    @property
+    def _index(self) -> BlockIndex:
+        return _INDEXES[self[4]]
 
     def __repr__(self) -> str:
         return f"Block({self.key!r}, {self.slots}, {self.state.name}, claims={self.claims})"
@@ -248,6 +260,8 @@ class BlockIndex:
         policy), so one array holds both. ``policy_metadata``: keep access counts and
         sequence positions (only a policy's own hooks read them)."""
         capacity = pools[0].capacity
+        self.number = next(_numbers)
+        _INDEXES[self.number] = self
         self.pools = pools
         self._first = pools[0]
         self._others = pools[1:]
@@ -288,7 +302,7 @@ class BlockIndex:
             return None
         if self.other_slots:
             return self._view(rec, key)
-        return _new(Block, (self, rec, self.gen[rec], key, (rec,)))
+        return _new(Block, (rec, self.gen[rec], key, (rec,), self.number))
 
     def ready_views(self, keys: Sequence[BlockKey]) -> list[Block | None]:
         """A view of each key's record if it is READY, else None: for the hot paths that
@@ -299,8 +313,9 @@ class BlockIndex:
                 for k in keys
             ]
         get, gen, flags, ready = self.recs.get, self.gen, self.flags, _ATTACHED | _READY
+        number = self.number
         return [
-            _new(Block, (self, rec, gen[rec], key, (rec,)))
+            _new(Block, (rec, gen[rec], key, (rec,), number))
             if (rec := get(key)) is not None and flags[rec] == ready
             else None
             for key in keys
@@ -313,7 +328,7 @@ class BlockIndex:
 
     def _view(self, rec: int, key: BlockKey) -> Block:
         slots = (rec, *(s[rec] for s in self.other_slots)) if self.other_slots else (rec,)
-        return _new(Block, (self, rec, self.gen[rec], key, slots))
+        return _new(Block, (rec, self.gen[rec], key, slots, self.number))
 
     def blocks(self) -> Iterator[Block]:
         """Every record in the index (views), in no particular order."""
@@ -359,7 +374,7 @@ class BlockIndex:
             self.keys,
             self.recency,
         )
-        new = _ATTACHED | _FILLING
+        new, number = _ATTACHED | _FILLING, self.number
         blocks = []
         if self._others:
             others = [pool.take_many(len(keys)) for pool in self._others]
@@ -367,10 +382,10 @@ class BlockIndex:
                 slots = (rec, *(o[i] for o in others))
                 for column, o in zip(self.other_slots, others):
                     column[rec] = o[i]
-                blocks.append(_new(Block, (self, rec, gen[rec], key, slots)))
+                blocks.append(_new(Block, (rec, gen[rec], key, slots, number)))
         else:
             blocks = [
-                _new(Block, (self, rec, gen[rec], key, (rec,))) for key, rec in zip(keys, recs)
+                _new(Block, (rec, gen[rec], key, (rec,), number)) for key, rec in zip(keys, recs)
             ]
         for key, rec in zip(keys, recs):
             flags[rec] = new
@@ -397,7 +412,7 @@ class BlockIndex:
         if not blocks:
             return
         flags, push = self.flags, self.queue.push
-        recs = [block[1] for block in blocks]
+        recs = [block[0] for block in blocks]
         for rec in recs:
             flags[rec] = _ATTACHED | _READY
         if scores is None:
@@ -409,7 +424,7 @@ class BlockIndex:
                 push(rec, score)
         self.ready_count += len(recs)
         if self.journal is not None:
-            self.journal.committed_many([b[3] for b in blocks], [b[4] for b in blocks])
+            self.journal.committed_many([b[2] for b in blocks], [b[3] for b in blocks])
 
     def claim_many(self, blocks: Sequence[Block], now: float) -> None:
         """:meth:`claim` (an access at ``now``) of blocks in the index, at once."""
@@ -420,7 +435,7 @@ class BlockIndex:
             self.access_counts,
         )
         for block in blocks:
-            rec = block[1]
+            rec = block[0]
             claims[rec] += 1
             drop(rec)
             recency[rec] = now
@@ -433,7 +448,7 @@ class BlockIndex:
         claims, queued, holds = self.claims, self.queue.queued, self.holds
         back = []
         for block in blocks:
-            rec = block[1]
+            rec = block[0]
             if holds(block) and claims[rec]:
                 claims[rec] -= 1
                 if not claims[rec] and not queued[rec]:
@@ -445,10 +460,10 @@ class BlockIndex:
         push, recency = self.queue.push, self.recency
         if scores is None:
             for block in blocks:
-                push(block[1], recency[block[1]])
+                push(block[0], recency[block[0]])
         else:
             for block, score in zip(blocks, scores):
-                push(block[1], score)
+                push(block[0], score)
 
     def align(self, keys: Sequence[BlockKey], now: float | None) -> np.ndarray:
         """Place the READY ones of ``keys`` as one sequence, in one pass over the arrays:
@@ -492,7 +507,7 @@ class BlockIndex:
         """Wake whoever waits for the fill of one of ``blocks`` (usually nobody)."""
         if self.waiters:
             for block in blocks:
-                event = self.waiters.pop((block[1], block[2]), None)
+                event = self.waiters.pop((block[0], block[1]), None)
                 if event is not None:
                     event.set()
 

@@ -159,21 +159,21 @@ class LocalG2(Residency):
     def _settle_fill(self, op: Operation, blocks: list[Block], ok: bool, no_evict: bool) -> None:
         index, filling, live = self.index, op.filling, op.live
         for block in blocks:
-            filling.pop(block[3], None)
+            filling.pop(block.key, None)
         held = [b for b in blocks if index.holds(b)]
         if len(held) < len(blocks):
             for block in blocks:
                 if not index.holds(block):  # withdrawn while the transfer ran
                     index.release_slots(block)
-        done = [b for b in held if live(b[3])] if ok else []
+        done = [b for b in held if live(b.key)] if ok else []
         index.commit_many(done, self.scores(done))
         if self._wants("on_ingest"):
             for block in done:
                 self.ingested(block, self.source_tier)
-        added = [b[3] for b in done]
+        added = [b.key for b in done]
         answers: dict[BlockKey, OpEntryResult]
         if no_evict:
-            answers = {b[3]: self._stored(b, no_evict) for b in done}
+            answers = {b.key: self._stored(b, no_evict) for b in done}
         else:
             answers = dict.fromkeys(added, SUCCESS)
         if len(done) < len(held):
@@ -182,8 +182,8 @@ class LocalG2(Residency):
             for block in held:
                 if block.state is BlockState.FILLING:
                     index.remove(block)
-                    if live(block[3]):
-                        answers[block[3]] = FAILED
+                    if live(block.key):
+                        answers[block.key] = FAILED
         index.fill_over(blocks)
         index.flush_journal()  # committed before the engine hears of it
         op.moved += len(added)
@@ -229,9 +229,9 @@ class LocalG2(Residency):
             claimed.append(block)
             dst.extend(destinations[key])
             if len(bases) == 1:
-                src.append(bases[0] + block[1])
+                src.append(bases[0] + block.rec)
             else:
-                src.extend(base + slot for base, slot in zip(bases, block[4]))
+                src.extend(base + slot for base, slot in zip(bases, block.slots))
         self.index.claim_many(claimed, now)
         if answers:
             op.failure = op.failure or f"deliver: {len(answers)} keys are not in local G2"
@@ -255,7 +255,7 @@ class LocalG2(Residency):
     def _settle_deliver(self, op: Operation, claimed: list[Block], ok: bool) -> None:
         self.unclaim_all(claimed)
         live = op.live
-        answers = dict.fromkeys([b[3] for b in claimed if live(b[3])], SUCCESS if ok else FAILED)
+        answers = dict.fromkeys([b.key for b in claimed if live(b.key)], SUCCESS if ok else FAILED)
         if ok:
             op.moved += len(answers)
         else:
