@@ -187,3 +187,20 @@ def test_audit_accounts_for_every_slot() -> None:
         index.pools[0].release(0)
     with pytest.raises(ValueError, match="not quarantined"):
         index.release_slots(a)  # a stale view frees nothing
+
+
+def test_a_hundred_thousand_resident_blocks_give_the_collector_nothing_to_walk() -> None:
+    import gc
+
+    index = BlockIndex([SlotPool("p", 4096, 100_000)], score_is_recency=True)
+    gc.collect()
+    before = len(gc.get_objects())
+    keys = [b"key-%08d" % i for i in range(100_000)]
+    for first in range(0, 100_000, 1000):
+        blocks = index.add_filling_batch(keys[first : first + 1000], now=float(first))
+        index.commit_many(blocks, None)
+    index.evict(500)  # the eviction queue's batch too
+    del keys, blocks
+    gc.collect()
+    assert len(index) == 99_500
+    assert len(gc.get_objects()) - before < 50  # per block: none

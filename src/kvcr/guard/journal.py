@@ -26,6 +26,12 @@ before the switch leaves the old half and epoch in force; after it, the new ones
 the snapshot does not fit, recovery is disabled (a header with no active half) until the
 state shrinks enough for a snapshot to fit again.
 
+A reader replays into a :class:`State` (a dict of residencies by default; a worker's or the
+guard's block index, with no object per key). A writer whose live state is exactly what a
+reader replayed may *resume* at the reader's :class:`Position` (after the last whole frame,
+same epoch and header) instead of starting with a snapshot: a warm start then writes
+nothing of the state it recovered.
+
 Payload entries: ``op u8 | key length u16 | key | count u8 | count x u64``: ``op`` 1 puts the
 key in G2 slots (one per pool), 2 removes it from G2, 3 puts it in G3 (the values say
 where), 5 removes it from G3; a key can be in both tiers at once. A

@@ -23,8 +23,13 @@ BATCH_MIN = 1024
 BATCH_SHARE = 32  # a pass picks at least 1/32 of the queue
 
 
+_NO_SCORES = np.empty(0, dtype=np.float64)
+_NO_RECS = np.empty(0, dtype=np.intp)
+
+
 class EvictionQueue:
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, batch_min: int = BATCH_MIN) -> None:
+        self._batch_min = batch_min
         self.score = array.array("d", bytes(8 * capacity))
         self.queued = bytearray(capacity)
         self._score_np = np.frombuffer(self.score, dtype=np.float64)
@@ -35,6 +40,7 @@ class EvictionQueue:
         self._cursor = 0
         self._heap: list[tuple[float, int]] = []
         self._limit: tuple[float, int] | None = None  # while a batch is being served
+        self._scores_np, self._recs_np = _NO_SCORES, _NO_RECS  # the batch, for pop_many
 
     def __len__(self) -> int:
         return self.count
@@ -101,15 +107,39 @@ class EvictionQueue:
                 self.count -= 1
                 return rec
 
+    def pop_many(self, wanted: int) -> list[int]:
+        """Up to ``wanted`` records, in order, out of the queue: :meth:`pop`, a slice of the
+        batch at a time while no record queued since comes before it."""
+        out: list[int] = []
+        while len(out) < wanted:
+            if self._heap or self._cursor >= len(self._recs):
+                rec = self.pop()
+                if rec is None:
+                    break
+                out.append(rec)
+                continue
+            end = min(len(self._recs), self._cursor + wanted - len(out))
+            recs = self._recs_np[self._cursor : end]
+            fresh = (self._queued_np[recs] == 1) & (
+                self._score_np[recs] == self._scores_np[self._cursor : end]
+            )
+            self._cursor = end
+            got = recs[fresh]
+            self._queued_np[got] = 0
+            self.count -= len(got)
+            out.extend(got.tolist())
+        return out
+
     def _forget_batch(self) -> None:
         self._scores, self._recs, self._cursor, self._heap, self._limit = [], [], 0, [], None
+        self._scores_np, self._recs_np = _NO_SCORES, _NO_RECS
 
     def _choose_batch(self) -> None:
         """The lowest ``k`` queued records by (score, rec), sorted: one pass over the
         arrays."""
         recs = np.flatnonzero(self._queued_np)
         scores = self._score_np[recs]
-        k = min(len(recs), max(BATCH_MIN, len(recs) // BATCH_SHARE))
+        k = min(len(recs), max(self._batch_min, len(recs) // BATCH_SHARE))
         if k < len(recs):
             kth = np.partition(scores, k - 1)[k - 1]
             below = np.flatnonzero(scores < kth)
@@ -118,7 +148,8 @@ class EvictionQueue:
             pick = np.concatenate([below, ties])
             recs, scores = recs[pick], scores[pick]
         order = np.lexsort((recs, scores))
-        self._scores = scores[order].tolist()
-        self._recs = recs[order].tolist()
+        self._scores_np, self._recs_np = scores[order], recs[order]
+        self._scores = self._scores_np.tolist()
+        self._recs = self._recs_np.tolist()
         self._cursor, self._heap = 0, []
         self._limit = (self._scores[-1], self._recs[-1]) if self._recs else None

@@ -411,17 +411,15 @@ class BlockIndex:
         their recency) and journaled as one batch."""
         if not blocks:
             return
-        flags, push = self.flags, self.queue.push
+        flags = self.flags
         recs = [block[0] for block in blocks]
         for rec in recs:
             flags[rec] = _ATTACHED | _READY
+        at = np.array(recs, dtype=np.intp)
         if scores is None:
-            recency = self.recency
-            for rec in recs:
-                push(rec, recency[rec])
+            self.queue.push_many(at, np.frombuffer(self.recency, np.float64)[at])
         else:
-            for rec, score in zip(recs, scores):
-                push(rec, score)
+            self.queue.push_many(at, np.asarray(scores, dtype=np.float64))
         self.ready_count += len(recs)
         if self.journal is not None:
             self.journal.committed_many([b[2] for b in blocks], [b[3] for b in blocks])
@@ -457,13 +455,11 @@ class BlockIndex:
 
     def requeue(self, blocks: Sequence[Block], scores: Sequence[float] | None) -> None:
         """Queue held blocks by ``scores`` (None: by their recency)."""
-        push, recency = self.queue.push, self.recency
+        at = np.fromiter((b[0] for b in blocks), dtype=np.intp, count=len(blocks))
         if scores is None:
-            for block in blocks:
-                push(block[0], recency[block[0]])
+            self.queue.push_many(at, np.frombuffer(self.recency, np.float64)[at])
         else:
-            for block, score in zip(blocks, scores):
-                push(block[0], score)
+            self.queue.push_many(at, np.asarray(scores, dtype=np.float64))
 
     def align(self, keys: Sequence[BlockKey], now: float | None) -> np.ndarray:
         """Place the READY ones of ``keys`` as one sequence, in one pass over the arrays:
@@ -471,13 +467,11 @@ class BlockIndex:
         theirs) that falls with the position, so that a prefix is evicted from its tail.
         Returns their records (queue them again with :meth:`requeue_records`)."""
         get = self.recs.get
-        found = [(p, rec) for p, key in enumerate(keys) if (rec := get(key)) is not None]
-        if not found:
-            return np.empty(0, np.intp)
-        pairs = np.array(found, dtype=np.intp)
-        ready = np.frombuffer(self.flags, np.uint8)[pairs[:, 1]] & _READY != 0
-        positions: np.ndarray = pairs[ready, 0]
-        recs: np.ndarray = pairs[ready, 1]
+        every = np.array([get(key, -1) for key in keys], dtype=np.intp)
+        here = np.flatnonzero(every >= 0)
+        ready = np.frombuffer(self.flags, np.uint8)[every[here]] & _READY != 0
+        positions: np.ndarray = here[ready]
+        recs: np.ndarray = every[positions]
         if not len(recs):
             return recs
         recency = np.frombuffer(self.recency, np.float64)
@@ -534,6 +528,18 @@ class BlockIndex:
             self.ready_count -= 1
             if self.journal is not None:
                 self.journal.removed(block.key)
+
+    def still_held(self, blocks: Sequence[Block]) -> list[Block]:
+        """Those of ``blocks`` still in the index (:meth:`holds` of each, with numpy)."""
+        n = len(blocks)
+        recs = np.fromiter((b[0] for b in blocks), dtype=np.intp, count=n)
+        gens = np.fromiter((b[1] for b in blocks), dtype=np.uint32, count=n)
+        held = (np.frombuffer(self.gen, np.uint32)[recs] == gens) & (
+            np.frombuffer(self.flags, np.uint8)[recs] & _ATTACHED != 0
+        )
+        if held.all():
+            return list(blocks)
+        return [b for b, h in zip(blocks, held.tolist()) if h]
 
     def holds(self, block: Block) -> bool:
         rec = block.rec
@@ -597,11 +603,15 @@ class BlockIndex:
         keys: :meth:`victims` for a tier that drops whatever it evicts, in one pass over
         the arrays (no view, no generator step per block). Claimed blocks met on the way
         leave the queue, as there."""
-        flags, claims, pop = self.flags, self.claims, self.queue.pop
+        flags = np.frombuffer(self.flags, np.uint8)
+        claims = np.frombuffer(self.claims, np.uint32)
         recs: list[int] = []
-        while len(recs) < wanted and (rec := pop()) is not None:
-            if flags[rec] == _ATTACHED | _READY and not claims[rec]:
-                recs.append(rec)
+        while len(recs) < wanted:
+            popped = self.queue.pop_many(wanted - len(recs))
+            if not popped:
+                break
+            at = np.array(popped, dtype=np.intp)
+            recs.extend(at[(flags[at] == _ATTACHED | _READY) & (claims[at] == 0)].tolist())
         return self._remove_ready(recs) if recs else []
 
     def _remove_ready(self, recs: list[int]) -> list[BlockKey]:

@@ -82,10 +82,19 @@ class LocalG2(Residency):
         answers: dict[BlockKey, OpEntryResult] = {}
         waits: list[tuple[BlockKey, Block]] = []
         new: list[BlockKey] = []
-        for key in keys:
-            if not op.live(key):
-                continue
-            block = self.index.get(key)
+        pending, index = op.pending, self.index
+        live = [k for k in keys if k in pending]
+        if not self._wants("decide_ingest"):
+            # The usual case: every key not in the index is stored, nothing to ask per key.
+            resident = index.recs
+            new = [k for k in live if k not in resident]
+            if len(new) == len(live):
+                live = []
+            else:  # the others are in the index: the loop below sees to them
+                fresh = set(new)
+                live = [k for k in live if k not in fresh]
+        for key in live:
+            block = index.get(key)
             if block is None:
                 action = _STORE[0]
                 if self._wants("decide_ingest"):
@@ -160,7 +169,7 @@ class LocalG2(Residency):
         index, filling, live = self.index, op.filling, op.live
         for block in blocks:
             filling.pop(block.key, None)
-        held = [b for b in blocks if index.holds(b)]
+        held = index.still_held(blocks)
         if len(held) < len(blocks):
             for block in blocks:
                 if not index.holds(block):  # withdrawn while the transfer ran

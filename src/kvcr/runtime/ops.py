@@ -148,11 +148,18 @@ class Outbox:
         if not fresh:
             return
         ok, failed = op.ok_keys, []
-        for key, entry in fresh.items():
+        if len(set(map(id, fresh.values()))) == 1:  # one answer for all, as usual
+            entry = next(iter(fresh.values()))
             if entry.success:
-                ok.add(key)
+                ok.update(fresh)
             elif entry.status is OpEntryStatus.FAILED:
-                failed.append(key)
+                failed = list(fresh)
+        else:
+            for key, entry in fresh.items():
+                if entry.success:
+                    ok.add(key)
+                elif entry.status is OpEntryStatus.FAILED:
+                    failed.append(key)
         if failed and any(not keys.isdisjoint(failed) for keys in op.xfers.values()):
             self._report_uncertain(op)
         op.pending.difference_update(fresh)
