@@ -177,7 +177,7 @@ def test_audit_accounts_for_every_slot() -> None:
         "quarantined": 0,
         "double": 0,
         "view_mismatch": 0,
-        "heap": 1,
+        "queued": 1,
     }
     index.detach(a)  # withdrawn: its slots are nobody's until released
     assert index.audit()["quarantined"] == 2  # one per pool

@@ -807,5 +807,5 @@ class BlockIndex:
             "double": double,
             "view_mismatch": mismatch
             + abs(self.ready_count - sum(1 for r in attached if self.flags[r] & _READY)),
-            "heap": len(self.queue),
+            "queued": len(self.queue),
         }
