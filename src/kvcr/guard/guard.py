@@ -22,9 +22,9 @@ from kvcr.guard.journal import DictState, Follower, Replay, State
 from kvcr.guard.pools import GroupFile, map_group
 from kvcr.guard.procs import close_quietly
 from kvcr.guard.rules import Groups, Lease
-from kvcr.guard.serving import CannotServe, GroupServer, Standby
+from kvcr.guard.serving import CannotServe, GroupServer, Standby, group_memory
 from kvcr.policy import LRUPolicy
-from kvcr.runtime.index import BlockIndex, SlotPool
+from kvcr.runtime.index import BlockIndex, slot_pools
 from kvcr.runtime.mirror import Followed, Replayed
 from kvcr.runtime.residency import index_options
 
@@ -67,10 +67,7 @@ class Guard:
         terms = self.groups[self.index].terms
         if terms is None:
             return DictState()
-        pools = [
-            SlotPool(name, block, size // block)
-            for (name, block), (_, size) in zip(terms.layouts, self.file.layout.pools)
-        ]
+        pools = slot_pools(group_memory(terms, self.mapping))
         return Replayed(BlockIndex(pools, **index_options(LRUPolicy())))
 
     async def control_listener(self, host: str, port: int) -> socket.socket:

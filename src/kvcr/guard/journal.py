@@ -458,7 +458,7 @@ class Writer:
     def __init__(
         self,
         buf: memoryview | bytearray,
-        live: Callable[[], Iterable[Entry]],
+        live: Callable[[], Iterable[Entry]] | None,
         resume: Position | None = None,
     ) -> None:
         """``resume``: where a reader found the journal, if the writer's live state is
@@ -592,7 +592,9 @@ class Writer:
         return Position(self._counter - 1, self._epoch, self._active, self._pos, self._seq)
 
     def snapshot(self) -> bytes:
-        """The live state as one payload (a subclass may encode it faster)."""
+        """The live state as one payload, from ``live`` (a subclass that has no ``live``
+        encodes it itself)."""
+        assert self._live is not None, "a writer without live() overrides snapshot()"
         return encode_snapshot(self._live())
 
     def _write_header(self, active: int) -> None:

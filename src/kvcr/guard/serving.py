@@ -60,6 +60,13 @@ def server_configs(
     return config, backends
 
 
+def group_memory(terms: Terms, mapping: GroupMapping) -> MemoryMap:
+    """The memory map a server of the group has: its pools, no engine regions."""
+    config, backends = server_configs("map", terms, mapping)
+    assert backends.local_dram is not None
+    return MemoryMap(config.nixl_agent_name, config.pool_layouts, backends.local_dram.pools, [])
+
+
 @attrs.define(eq=False)
 class Standby:
     """A NIXL transport opened over a held group's pools ahead of a takeover: creating the
@@ -74,8 +81,7 @@ class Standby:
         """Blocking (NIXL set-up): run it off the service's loop."""
         name = agent_name(index)
         config, backends = server_configs(name, terms, mapping)
-        assert backends.local_dram is not None
-        memory = MemoryMap(name, config.pool_layouts, backends.local_dram.pools, [])
+        memory = group_memory(terms, mapping)
         transport = nixl_factory(config, backends)()
         try:
             transport.open_local(memory.segments)

@@ -39,6 +39,8 @@ from kvcr.types import BlockKey, CacheTier, QueryStatus
 if TYPE_CHECKING:
     import trio
 
+    from kvcr.runtime.memory import MemoryMap
+
 Answer = tuple[QueryStatus, CacheTier | None]
 HIT = (QueryStatus.HIT, CacheTier.LOCAL_G2)
 FETCHING = (QueryStatus.FETCHING, CacheTier.LOCAL_G2)
@@ -238,6 +240,14 @@ class JournalSink(Protocol):
     def flush(self) -> object: ...
 
 
+def slot_pools(memory: MemoryMap) -> list[SlotPool]:
+    """A slot pool for each of ``memory``'s pools."""
+    return [
+        SlotPool(name, block, slots)
+        for name, block, slots in zip(memory.pool_names, memory.block_sizes, memory.pool_slots)
+    ]
+
+
 class Published:
     """A tier's index as engine threads see it for ``query``: set once the tier runs (the
     file tier starts after the facade exists)."""
@@ -415,11 +425,7 @@ class BlockIndex:
         recs = [block[0] for block in blocks]
         for rec in recs:
             flags[rec] = _ATTACHED | _READY
-        at = np.array(recs, dtype=np.intp)
-        if scores is None:
-            self.queue.push_many(at, np.frombuffer(self.recency, np.float64)[at])
-        else:
-            self.queue.push_many(at, np.asarray(scores, dtype=np.float64))
+        self.requeue(np.array(recs, dtype=np.intp), scores)
         self.ready_count += len(recs)
         if self.journal is not None:
             self.journal.committed_many([b[2] for b in blocks], [b[3] for b in blocks])
@@ -453,19 +459,16 @@ class BlockIndex:
                     back.append(block)
         return back
 
-    def requeue(self, blocks: Sequence[Block], scores: Sequence[float] | None) -> None:
-        """Queue held blocks by ``scores`` (None: by their recency)."""
-        at = np.fromiter((b[0] for b in blocks), dtype=np.intp, count=len(blocks))
-        if scores is None:
-            self.queue.push_many(at, np.frombuffer(self.recency, np.float64)[at])
-        else:
-            self.queue.push_many(at, np.asarray(scores, dtype=np.float64))
+    @staticmethod
+    def records(blocks: Sequence[Block]) -> np.ndarray:
+        """The records of ``blocks``, as an array."""
+        return np.fromiter((b[0] for b in blocks), dtype=np.intp, count=len(blocks))
 
     def align(self, keys: Sequence[BlockKey], now: float | None) -> np.ndarray:
         """Place the READY ones of ``keys`` as one sequence, in one pass over the arrays:
         each gets its position, and a recency from ``now`` (None: the most recent of
         theirs) that falls with the position, so that a prefix is evicted from its tail.
-        Returns their records (queue them again with :meth:`requeue_records`)."""
+        Returns their records (queue them again with :meth:`requeue`)."""
         get = self.recs.get
         every = np.array([get(key, -1) for key in keys], dtype=np.intp)
         here = np.flatnonzero(every >= 0)
@@ -481,7 +484,7 @@ class BlockIndex:
             np.frombuffer(self.positions, np.int32)[recs] = positions
         return recs
 
-    def requeue_records(self, recs: np.ndarray, scores: Sequence[float] | None) -> None:
+    def requeue(self, recs: np.ndarray, scores: Sequence[float] | None) -> None:
         """Queue the unclaimed ones of ``recs`` (distinct, in the index) by ``scores``
         (None: by their recency)."""
         values = (
@@ -531,9 +534,8 @@ class BlockIndex:
 
     def still_held(self, blocks: Sequence[Block]) -> list[Block]:
         """Those of ``blocks`` still in the index (:meth:`holds` of each, with numpy)."""
-        n = len(blocks)
-        recs = np.fromiter((b[0] for b in blocks), dtype=np.intp, count=n)
-        gens = np.fromiter((b[1] for b in blocks), dtype=np.uint32, count=n)
+        recs = self.records(blocks)
+        gens = np.fromiter((b[1] for b in blocks), dtype=np.uint32, count=len(blocks))
         held = (np.frombuffer(self.gen, np.uint32)[recs] == gens) & (
             np.frombuffer(self.flags, np.uint8)[recs] & _ATTACHED != 0
         )

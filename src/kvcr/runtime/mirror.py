@@ -18,7 +18,7 @@ disabled``) and the worker goes on; it is enabled again once a snapshot fits.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, cast
 
 import attrs
@@ -53,7 +53,7 @@ class Mirror(journal.Writer):
         self._put_keys: list[BlockKey] = []
         self._put_slots: list[tuple[int, ...]] = []
         self._removed: list[BlockKey] = []
-        super().__init__(buf, self._live, resume)
+        super().__init__(buf, None, resume)  # snapshots come from the index: snapshot()
         if self.disabled:
             self._disabled()
 
@@ -72,14 +72,6 @@ class Mirror(journal.Writer):
         gone = [k for k in keys if self._kept.pop(k, None) is not None]
         if gone:
             self.remove_batch(gone, journal.REMOVE_G3)
-
-    def _live(self) -> Iterator[journal.Entry]:
-        keys, slots = self._index.ready_records()
-        width = len(self._index.pools)
-        for i, key in enumerate(keys):
-            yield (journal.PUT_G2, key, tuple(slots[i * width : (i + 1) * width].tolist()))
-        for key, residency in self._kept.items():
-            yield (residency.tier, key, residency.values)
 
     def snapshot(self) -> bytes:
         """The live state from the index's arrays, no object per block."""

@@ -163,7 +163,7 @@ class Residency(Part):
         """:meth:`unclaim` for many blocks at once."""
         back = self.index.unclaim_many(blocks)
         if back:
-            self.index.requeue(back, self.scores(back))
+            self.index.requeue(self.index.records(back), self.scores(back))
 
     def _policy(self, hook: str, default: Any, *args: Any) -> Any:
         fn = self._hooks[hook]
@@ -391,4 +391,4 @@ class Residency(Part):
         if hook:
             metas = [self.meta(b) for b in blocks]
             self._policy("on_align_sequence", None, metas, use_current_time)
-        self.index.requeue_records(recs, self.scores(blocks) if scored else None)
+        self.index.requeue(recs, self.scores(blocks) if scored else None)

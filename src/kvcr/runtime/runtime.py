@@ -45,7 +45,7 @@ from kvcr.runtime.commands import (
     Release,
 )
 from kvcr.runtime.g3 import G3Tier
-from kvcr.runtime.index import BlockIndex, Published, SlotPool
+from kvcr.runtime.index import BlockIndex, Published, slot_pools
 from kvcr.runtime.local import LocalG2
 from kvcr.runtime.mirror import Mirror, recover
 from kvcr.runtime.ops import FAILED, Deadlines, Framework, Operation, RemotePart, record
@@ -91,12 +91,7 @@ class Runtime(Part):
         self.g3_view = Published()  # the file tier's index for query, once it runs
         self.journal = journal  # the guard group's recovery journal, owned from here on
         self.mirror: Mirror | None = None
-        pools = [
-            SlotPool(name, block, slots)
-            for name, block, slots in zip(
-                self.memory.pool_names, self.memory.block_sizes, self.memory.pool_slots
-            )
-        ]
+        pools = slot_pools(self.memory)
         followed = journal.followed if journal is not None else None
         if followed is not None and [p.capacity for p in followed.index.pools] == [
             p.capacity for p in pools
