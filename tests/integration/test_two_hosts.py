@@ -261,7 +261,9 @@ def test_a_link_back_within_the_user_timeout_lets_the_write_finish_late(hosts, b
     src = hosts.worker(
         hosts.a, "host-a-patient", SIZES, log=log, UCX_TCP_USER_TIMEOUT="10s", KVCR_LOG_LEVEL="INFO"
     )
-    assert "ucx_tcp_user_timeout='10s'" in log.read_text()
+    # Logged on the runtime's thread just after the constructor it unblocked returned.
+    said = "ucx_tcp_user_timeout='10s'"
+    wait_until(lambda: said in log.read_text(), 10, "runtime_started in the log")
     keys = fresh_keys()
     deposited(src, keys)
     warm(src, b, keys)
