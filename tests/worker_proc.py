@@ -307,7 +307,7 @@ class Soak:
             self.pins.engine_has[key(k)] = HELD + i
 
     def resident(self) -> list[int]:
-        return sorted(int.from_bytes(k, "big") for k in list(self.runtime.index.recs))
+        return sorted(int.from_bytes(k, "big") for k in self.runtime.index.resident_keys())
 
     def _busy(self) -> dict[str, int]:
         """What is still in flight in the instance (all zero once quiet)."""

@@ -48,7 +48,7 @@ import struct
 import sys
 import zlib
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import attrs
 import numpy as np
@@ -86,13 +86,24 @@ class Residency:
     values: tuple[int, ...]
 
 
+# The keys of one entry: a list of bytes, or a batch's keys in place (a numpy array of "void"
+# items of one length; ``.tolist()`` makes them bytes), so that a replay into a block index
+# makes no object per key.
+Keys = list[bytes] | np.ndarray
+
+
+def listed(keys: Keys) -> list[bytes]:
+    """``keys`` as bytes objects."""
+    return keys.tolist() if isinstance(keys, np.ndarray) else keys
+
+
 class State(Protocol):
     """Where a reader applies replayed changes (each call: one entry of one frame)."""
 
-    def put(self, tier: int, keys: list[bytes], values: Sequence[int], count: int) -> None:
+    def put(self, tier: int, keys: Keys, values: Sequence[int], count: int) -> None:
         """``keys`` put in ``tier`` (PUT_G2 or PUT_G3) at ``count`` values each (flat)."""
 
-    def remove(self, op: int, keys: list[bytes]) -> None:
+    def remove(self, op: int, keys: Keys) -> None:
         """``keys`` removed by ``op`` (REMOVE or REMOVE_G3)."""
 
     def __len__(self) -> int:
@@ -107,14 +118,14 @@ class DictState(dict[bytes, Residency]):
         super().__init__()
         self.g3: dict[bytes, Residency] = {}
 
-    def put(self, tier: int, keys: list[bytes], values: Sequence[int], count: int) -> None:
+    def put(self, tier: int, keys: Keys, values: Sequence[int], count: int) -> None:
         into = self.g3 if tier == PUT_G3 else self
-        for i, key in enumerate(keys):
+        for i, key in enumerate(listed(keys)):
             into[key] = Residency(tier, tuple(values[i * count : (i + 1) * count]))
 
-    def remove(self, op: int, keys: list[bytes]) -> None:
+    def remove(self, op: int, keys: Keys) -> None:
         into = self.g3 if op == REMOVE_G3 else self
-        for key in keys:
+        for key in listed(keys):
             into.pop(key, None)
 
     def snapshot(self) -> DictState:
@@ -224,39 +235,84 @@ def half_bytes(journal_bytes: int) -> int:
     return _layout(journal_bytes)
 
 
-Change = tuple[int, list[bytes], Sequence[int], int]  # op, keys, values (flat), count
+Change = tuple[int, Keys, Sequence[int], int]  # op, keys, values (flat), count
 
 
 def apply_payload(state: State, payload: bytes | memoryview) -> bool:
     """Apply one frame's entries to ``state``; False (and ``state`` untouched) if it is
     malformed."""
+    changes = _decode_payload(payload)
+    if changes is None:
+        return False
+    for change in changes:
+        _apply(state, change)
+    return True
+
+
+def _decode_payload(payload: bytes | memoryview) -> list[Change] | None:
+    """One frame's entries, or None if it is malformed."""
     changes: list[Change] = []
     pos, end = 0, len(payload)
     while pos < end:
         if payload[pos] == BATCH:
             pos = _read_batch(payload, pos, end, changes)
             if pos < 0:
-                return False
+                return None
             continue
         if pos + ENTRY_HEAD.size > end:
-            return False
+            return None
         op, klen = ENTRY_HEAD.unpack_from(payload, pos)
         pos += ENTRY_HEAD.size
         if op not in OPS or pos + klen + 1 > end:
-            return False
+            return None
         key = bytes(payload[pos : pos + klen])
         count = payload[pos + klen]
         pos += klen + 1
         if pos + 8 * count > end:
-            return False
+            return None
         changes.append((op, [key], struct.unpack_from(f"<{count}Q", payload, pos), count))
         pos += 8 * count
-    for op, keys, flat, count in changes:
-        if op in REMOVALS:
-            state.remove(op, keys)
-        else:
-            state.put(op, keys, flat, count)
-    return True
+    return changes
+
+
+def _apply(state: State, change: Change) -> None:
+    op, keys, flat, count = change
+    if op in REMOVALS:
+        state.remove(op, keys)
+    else:
+        state.put(op, keys, flat, count)
+
+
+class _Puts:
+    """Consecutive batch puts of one shape (op, key length, values per key), across frames,
+    applied as one: a warm start over a journal of a thousand deposits' frames is then one
+    bulk insert. Anything else is applied in order, after what is held."""
+
+    def __init__(self, state: State) -> None:
+        self._state = state
+        self._shape: tuple[int, int, Any] | None = None
+        self._keys: list[np.ndarray] = []
+        self._values = array.array("Q")
+
+    def add(self, change: Change) -> None:
+        op, keys, flat, count = change
+        if op in REMOVALS or not isinstance(keys, np.ndarray):
+            self.flush()
+            _apply(self._state, change)
+            return
+        shape = (op, count, keys.dtype)
+        if shape != self._shape:
+            self.flush()
+            self._shape = shape
+        self._keys.append(keys)
+        self._values.extend(cast("array.array[int]", flat))
+
+    def flush(self) -> None:
+        if self._shape is not None and self._keys:
+            op, count, _ = self._shape
+            keys = self._keys[0] if len(self._keys) == 1 else np.concatenate(self._keys)
+            self._state.put(op, keys, self._values, count)
+        self._shape, self._keys, self._values = None, [], array.array("Q")
 
 
 def _read_batch(payload: bytes | memoryview, pos: int, end: int, out: list[Change]) -> int:
@@ -273,8 +329,8 @@ def _read_batch(payload: bytes | memoryview, pos: int, end: int, out: list[Chang
         # n removals of the empty key take no bytes at all, so n is bounded by nothing the
         # frame holds: they are one removal (applying it n times changes nothing more).
         n = min(n, 1)
-    # As numpy "void" items: bytes objects of exactly klen bytes, made in C.
-    keys = np.frombuffer(payload, f"V{klen}", n, pos).tolist() if klen else [b""] * n
+    # Keys in place, as numpy "void" items of klen bytes (bytes objects only on demand).
+    keys: Keys = np.frombuffer(payload, f"V{klen}", n, pos).copy() if klen else [b""] * n
     values = array.array("Q", bytes(payload[keys_end:values_end]))
     if sys.byteorder != "little":
         values.byteswap()
@@ -364,6 +420,7 @@ def _replay_frames(
 ) -> tuple[int, int]:
     """Apply the whole frames from ``pos`` (expecting ``seq``) to ``state``; the position
     and seq after the last one."""
+    puts = _Puts(state)
     while pos + FRAME_HEAD.size + CRC.size <= half:
         magic, length, frame_epoch, frame_seq = FRAME_HEAD.unpack_from(view, base + pos)
         end = pos + FRAME_HEAD.size + length
@@ -374,10 +431,14 @@ def _replay_frames(
         (crc,) = CRC.unpack_from(view, base + end)
         if zlib.crc32(view[base + pos : base + end]) != crc:
             break
-        if not apply_payload(state, view[base + pos + FRAME_HEAD.size : base + end]):
+        changes = _decode_payload(view[base + pos + FRAME_HEAD.size : base + end])
+        if changes is None:
             break
+        for change in changes:
+            puts.add(change)
         pos = _align8(end + CRC.size)
         seq += 1
+    puts.flush()
     return pos, seq
 
 

@@ -10,15 +10,15 @@ its slots and ``READY`` once committed. Memory rules kept here:
 
 Array-backed, for pools of a million blocks: a record *is* the slot it holds in the first
 pool (``rec``), its fields live in arrays indexed by rec (flags, generation, claims, score,
-recency, the other pools' slots, the key) and one dict maps key -> rec. None of these is an
-object the cyclic garbage collector tracks (a dict of bytes and ints, numbers in arrays,
-keys in a numpy object array), so a full collection of the engine's process costs the same
-with 0 and 1M resident blocks, and no record costs a Python object of its own. Other code
+recency, the other pools' slots) and a :class:`KeyTable` maps key -> rec, its keys in one
+array too. No record costs a Python object of its own, so a full collection of the engine's
+process costs the same with 0 and 1M resident blocks, and a warm start replays a journal
+into the arrays without making an object per block. Other code
 handles records through :class:`Block`, a view made on demand; a view outlives its record
 safely (its generation no longer matches: it reads as gone and writes nothing).
 
-``query`` reads :meth:`BlockIndex.answers` from engine threads without locks (a dict lookup
-and a byte read, each atomic in CPython); only the runtime writes.
+``query`` reads :meth:`BlockIndex.answers` from engine threads without locks (the key table
+is safe to read while the runtime writes; see its module); only the runtime writes.
 """
 
 from __future__ import annotations
@@ -29,11 +29,12 @@ import itertools
 import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from operator import itemgetter
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
 
 from kvcr.runtime.eviction import EvictionQueue
+from kvcr.runtime.keytable import KeyTable
 from kvcr.types import BlockKey, CacheTier, QueryStatus
 
 if TYPE_CHECKING:
@@ -278,11 +279,11 @@ class BlockIndex:
         # Committed changes are mirrored here; buffered ones are flushed before any slot is
         # handed out again, so a removal is always published before its slot is rewritten.
         self.journal: JournalSink | None = None
-        self.recs: dict[BlockKey, int] = {}
+        self.table = KeyTable(capacity)
         self.flags = bytearray(capacity)
+        self._flags_np = np.frombuffer(self.flags, np.uint8)
         self.gen = array.array("I", bytes(4 * capacity))
         self.claims = array.array("I", bytes(4 * capacity))
-        self.keys = np.empty(capacity, dtype=object)
         self.other_slots = [array.array("I", bytes(4 * capacity)) for _ in self._others]
         self.queue = EvictionQueue(capacity)
         self.recency = (
@@ -293,7 +294,6 @@ class BlockIndex:
         self.positions = array.array("i", [-1]) * capacity if policy_metadata else None
         self.waiters: dict[tuple[int, int], trio.Event] = {}
         self.ready_count = 0
-        self._replayed_again = False  # a replay put a key that had a record
         # What query answers, by a record's flags.
         self._answers: list[Answer] = [MISS] * 8
         self._answers[_ATTACHED | _READY] = ready
@@ -301,14 +301,23 @@ class BlockIndex:
             self._answers[_ATTACHED | _FILLING] = filling
 
     def __len__(self) -> int:
-        return len(self.recs)
+        return len(self.table)
 
     def __contains__(self, key: BlockKey) -> bool:
-        return key in self.recs
+        return key in self.table
+
+    def present(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Whether each key has a record."""
+        held: list[bool] = (self.table.find_many(keys) >= 0).tolist()
+        return held
+
+    def resident_keys(self) -> list[BlockKey]:
+        """Every key with a record (for checks and tools: O(records))."""
+        return [BlockKey(key) for key, _ in self.table.items()]
 
     def get(self, key: BlockKey) -> Block | None:
-        rec = self.recs.get(key)
-        if rec is None:
+        rec = self.table.find(key)
+        if rec < 0:
             return None
         if self.other_slots:
             return self._view(rec, key)
@@ -317,24 +326,31 @@ class BlockIndex:
     def ready_views(self, keys: Sequence[BlockKey]) -> list[Block | None]:
         """A view of each key's record if it is READY, else None: for the hot paths that
         read many keys at once."""
+        recs, flags = self._flags_of(keys)
+        ready = flags == _ATTACHED | _READY
         if self.other_slots:
+            view = self._view
             return [
-                b if (b := self.get(k)) is not None and b.state is _READY_STATE else None
-                for k in keys
+                view(rec, key) if ok else None
+                for key, rec, ok in zip(keys, recs.tolist(), ready.tolist())
             ]
-        get, gen, flags, ready = self.recs.get, self.gen, self.flags, _ATTACHED | _READY
-        number = self.number
+        gen, number = self.gen, self.number
         return [
-            _new(Block, (rec, gen[rec], key, (rec,), number))
-            if (rec := get(key)) is not None and flags[rec] == ready
-            else None
-            for key in keys
+            _new(Block, (rec, gen[rec], key, (rec,), number)) if ok else None
+            for key, rec, ok in zip(keys, recs.tolist(), ready.tolist())
         ]
 
     def filling(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
         """Those of ``keys`` whose record is being filled."""
-        get, flags = self.recs.get, self.flags
-        return [key for key in keys if (rec := get(key)) is not None and flags[rec] & _FILLING]
+        _, flags = self._flags_of(keys)
+        return [key for key, f in zip(keys, (flags & _FILLING).tolist()) if f]
+
+    def _flags_of(self, keys: Sequence[BlockKey]) -> tuple[np.ndarray, np.ndarray]:
+        """Each key's record (-1: none) and its flags (0: none)."""
+        recs = self.table.find_many(keys)
+        if not len(self.table):
+            return recs, np.zeros(len(keys), dtype=np.uint8)
+        return recs, np.where(recs >= 0, self._flags_np[np.maximum(recs, 0)], 0)
 
     def _view(self, rec: int, key: BlockKey) -> Block:
         slots = (rec, *(s[rec] for s in self.other_slots)) if self.other_slots else (rec,)
@@ -342,17 +358,18 @@ class BlockIndex:
 
     def blocks(self) -> Iterator[Block]:
         """Every record in the index (views), in no particular order."""
-        for key, rec in list(self.recs.items()):
-            yield self._view(rec, key)
+        for key, rec in list(self.table.items()):
+            yield self._view(rec, BlockKey(key))
 
     def answers(self, keys: Sequence[BlockKey]) -> list[Answer]:
         """What ``query`` says of each key (engine threads, no locks)."""
-        get, flags, table = self.recs.get, self.flags, self._answers
-        return [MISS if (rec := get(key)) is None else table[flags[rec]] for key in keys]
+        _, codes = self._flags_of(keys)
+        table = self._answers
+        return [table[code] for code in codes.tolist()]
 
     def answer(self, key: BlockKey) -> Answer:
-        rec = self.recs.get(key)
-        return MISS if rec is None else self._answers[self.flags[rec]]
+        rec = self.table.find(key)
+        return MISS if rec < 0 else self._answers[self.flags[rec]]
 
     @property
     def free_keys(self) -> int:
@@ -368,22 +385,15 @@ class BlockIndex:
         """Records for ``keys``, in ``FILLING`` state. Each pool's slots are handed out in
         ascending order along the keys, so consecutive keys get adjacent slots whenever the
         free list allows: NIXL merges adjacent descriptors (+40 % at 64 KiB blocks)."""
-        recs_by_key = self.recs
-        for key in keys:
-            if key in recs_by_key:
-                raise KeyError(f"block index: key {key!r} already has a record")
         if not keys:
             return []
         if self.journal is not None:
             self.journal.flush()
         recs = self._first.take_many(len(keys))
-        flags, gen, claims, store, recency = (
-            self.flags,
-            self.gen,
-            self.claims,
-            self.keys,
-            self.recency,
-        )
+        holders = self.table.add_many(keys, np.array(recs, dtype=np.intp))
+        if (holders >= 0).any():
+            self._unfile(keys, recs, holders)
+        flags, gen, claims, recency = self.flags, self.gen, self.claims, self.recency
         new, number = _ATTACHED | _FILLING, self.number
         blocks = []
         if self._others:
@@ -397,17 +407,23 @@ class BlockIndex:
             blocks = [
                 _new(Block, (rec, gen[rec], key, (rec,), number)) for key, rec in zip(keys, recs)
             ]
-        for key, rec in zip(keys, recs):
+        for rec in recs:
             flags[rec] = new
             claims[rec] = 0
-            store[rec] = key
             recency[rec] = now
         if self.access_counts is not None and self.positions is not None:
             for rec in recs:
                 self.access_counts[rec] = 0
                 self.positions[rec] = -1
-        recs_by_key.update(zip(keys, recs))
         return blocks
+
+    def _unfile(self, keys: Sequence[BlockKey], recs: list[int], holders: np.ndarray) -> None:
+        """Undo the filing of a batch of new records, one of whose keys had a record."""
+        filed = np.array(recs, dtype=np.intp)[holders < 0]
+        self.table.remove_many(filed)
+        self._first.release_many(np.array(recs, dtype=np.intp))
+        key = keys[int(np.flatnonzero(holders >= 0)[0])]
+        raise KeyError(f"block index: key {key!r} already has a record")
 
     def commit(self, block: Block, score: float) -> None:
         self.flags[block.rec] = _ATTACHED | _READY
@@ -469,8 +485,7 @@ class BlockIndex:
         each gets its position, and a recency from ``now`` (None: the most recent of
         theirs) that falls with the position, so that a prefix is evicted from its tail.
         Returns their records (queue them again with :meth:`requeue`)."""
-        get = self.recs.get
-        every = np.array([get(key, -1) for key in keys], dtype=np.intp)
+        every = self.table.find_many(keys)
         here = np.flatnonzero(every >= 0)
         ready = np.frombuffer(self.flags, np.uint8)[every[here]] & _READY != 0
         positions: np.ndarray = here[ready]
@@ -497,8 +512,8 @@ class BlockIndex:
 
     def views(self, recs: np.ndarray) -> list[Block]:
         """Views of records in the index."""
-        keys = self.keys
-        return [self._view(rec, keys[rec]) for rec in recs.tolist()]
+        keys = self.table.keys(recs)
+        return [self._view(rec, BlockKey(key)) for rec, key in zip(recs.tolist(), keys)]
 
     def fill_over(self, blocks: Sequence[Block]) -> None:
         """Wake whoever waits for the fill of one of ``blocks`` (usually nobody)."""
@@ -523,7 +538,7 @@ class BlockIndex:
         rec = block.rec
         if not self.holds(block):
             raise KeyError(f"block index: {block.key!r} is not in the index")
-        del self.recs[block.key]
+        self.table.remove(rec)
         self.queue.drop(rec)
         flags = self.flags[rec]
         self.flags[rec] = flags & ~_ATTACHED
@@ -554,7 +569,6 @@ class BlockIndex:
             raise ValueError(f"block index: {block.key!r}: its slots are not quarantined")
         self.flags[rec] = 0
         self.gen[rec] = (block.gen + 1) & 0xFFFFFFFF
-        self.keys[rec] = None
         self._first.release(rec)
         for pool, slot in zip(self._others, block.slots[1:]):
             pool.release(slot)
@@ -619,13 +633,10 @@ class BlockIndex:
     def _remove_ready(self, recs: list[int]) -> list[BlockKey]:
         """Remove READY, unclaimed, unqueued records at once; their slots are free."""
         at = np.array(recs, dtype=np.intp)
-        keys: list[BlockKey] = self.keys[at].tolist()
-        recs_by_key = self.recs
-        for key in keys:
-            del recs_by_key[key]
+        keys = cast("list[BlockKey]", self.table.keys(at))
+        self.table.remove_many(at)
         np.frombuffer(self.flags, np.uint8)[at] = 0
         np.frombuffer(self.gen, np.uint32)[at] += 1  # wraps, like release_slots
-        self.keys[at] = None
         self._first.release_many(at)
         for pool, column in zip(self._others, self.other_slots):
             pool.release_many(np.frombuffer(column, np.uint32)[at].astype(np.intp))
@@ -640,7 +651,7 @@ class BlockIndex:
         flags, claims = self.flags, self.claims
         while (rec := self.queue.pop()) is not None:
             if flags[rec] == _ATTACHED | _READY and claims[rec] == 0:
-                return self._view(rec, self.keys[rec])
+                return self._view(rec, BlockKey(self.table.key(rec)))
         return None
 
     def evictable(self, block: Block) -> bool:
@@ -665,36 +676,35 @@ class BlockIndex:
 
     # -- recovery ------------------------------------------------------------------------------
 
-    def put_recovered(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> int:
+    def put_recovered(self, keys: Sequence[BlockKey] | np.ndarray, slots: Sequence[int]) -> int:
         """READY records for blocks replayed from a journal, in the slots they had
         (``slots``: one per pool for each key, flat), without recency, not queued (see
-        :meth:`queue_recovered`). A key replayed again moves. A key whose slots are not one
-        in range per pool, each free, is left out: a record from outside is never trusted
-        to point at memory. Returns how many were left out.
+        :meth:`queue_recovered`). ``keys``: bytes, or a journal batch's keys in place (an
+        array of numpy "void" items of one length). A key replayed again moves. A key whose
+        slots are not one in range per pool, each free, is left out: a record from outside
+        is never trusted to point at memory. Returns how many were left out.
 
-        A batch of distinct keys in free, distinct slots (what a writer publishes) goes in
-        with numpy and one dict update; anything else key by key."""
-        width = len(self.pools)
-        if len(slots) != width * len(keys):
-            return len(keys)
-        if not keys:
+        A batch in free, distinct slots (what a writer publishes) goes into the arrays and
+        the key table with numpy, no object per key; anything else key by key."""
+        width, n = len(self.pools), len(keys)
+        if len(slots) != width * n:
+            return n
+        if not n:
             return 0
-        wanted = np.asarray(slots, dtype=np.uint64).reshape(len(keys), width)
+        wanted = np.asarray(slots, dtype=np.uint64).reshape(n, width)
         columns = [wanted[:, p] for p in range(width)]
-        if not self._replayed_again and all(
-            self._free_and_distinct(p, c) for p, c in zip(self.pools, columns)
-        ):
-            batch = dict(zip(keys, columns[0].tolist()))
-            if len(batch) == len(keys):
-                before = len(self.recs)
-                self._put_all(keys, [c.astype(np.intp) for c in columns], batch)
-                if len(self.recs) != before + len(keys):
-                    # Some keys had records: those are superseded. Rare (a writer removes
-                    # a key before putting it again), so from now on key by key.
-                    self._drop_superseded()
-                    self._replayed_again = True
-                return 0
-        return self._put_one_by_one(keys, wanted.tolist())
+        if not all(self._free_and_distinct(p, c) for p, c in zip(self.pools, columns)):
+            listed = keys.tolist() if isinstance(keys, np.ndarray) else keys
+            return self._put_one_by_one(listed, wanted.tolist())
+        recs = columns[0].astype(np.intp)
+        self._put_all([c.astype(np.intp) for c in columns])
+        if isinstance(keys, np.ndarray):
+            holders = self.table.add_rows(keys.view(np.uint8).reshape(n, -1), recs)
+        else:
+            holders = self.table.add_many(keys, recs)
+        if (holders >= 0).any():
+            self._supersede(recs, holders)
+        return 0
 
     @staticmethod
     def _free_and_distinct(pool: SlotPool, slots: np.ndarray) -> bool:
@@ -707,51 +717,64 @@ class BlockIndex:
         # A writer hands slots out ascending: then they are distinct without a sort.
         return bool(np.all(index[1:] > index[:-1])) or len(np.unique(index)) == len(index)
 
-    def _put_all(
-        self, keys: Sequence[BlockKey], columns: list[np.ndarray], batch: dict[BlockKey, int]
-    ) -> None:
-        """put_recovered for distinct keys in free, distinct slots (``batch``: key -> rec)."""
+    def _put_all(self, columns: list[np.ndarray]) -> None:
+        """READY records in free, distinct slots (``columns``: each pool's), keys not filed."""
         recs = columns[0]
         for pool, column in zip(self.pools, columns):
             pool.take_checked(column)
         for store, column in zip(self.other_slots, columns[1:]):
             np.frombuffer(store, np.uint32)[recs] = column
-        np.frombuffer(self.flags, np.uint8)[recs] = _ATTACHED | _READY
+        self._flags_np[recs] = _ATTACHED | _READY
         np.frombuffer(self.claims, np.uint32)[recs] = 0
         np.frombuffer(self.recency, np.float64)[recs] = _NEVER
         if self.positions is not None:
             np.frombuffer(self.positions, np.int32)[recs] = -1
-        self.keys[recs] = keys
-        self.recs.update(batch)
-        self.ready_count += len(keys)
+        self.ready_count += len(recs)
 
-    def _drop_superseded(self) -> None:
-        """Drop every record whose key now maps to another record (a replay moved it)."""
-        recs, keys, flags = self.recs, self.keys, self.flags
-        for rec in np.flatnonzero(np.frombuffer(flags, np.uint8) & _ATTACHED).tolist():
-            if recs.get(keys[rec]) != rec:
-                block = self._view(rec, keys[rec])
-                flags[rec] &= ~_ATTACHED
-                self.ready_count -= 1
-                self.release_slots(block)
+    def _supersede(self, recs: np.ndarray, holders: np.ndarray) -> None:
+        """Replayed records whose key was filed already (``holders``): the later put wins,
+        the other record goes. Rare: a writer removes a key before putting it again."""
+        batch = {rec: i for i, rec in enumerate(recs.tolist())}
+        moved: dict[int, int] = {}  # a record that lost its key -> the one that took it
+        for i in np.flatnonzero(holders >= 0).tolist():
+            new, holder = int(recs[i]), int(holders[i])
+            while holder in moved:
+                holder = moved[holder]
+            if batch.get(holder, -1) > i:
+                loser = new  # a later put of the key holds it already
+            else:
+                self.table.replace(holder, new)
+                loser = moved[holder] = holder
+            self._drop_unfiled(loser)
+
+    def _drop_unfiled(self, rec: int) -> None:
+        """End a READY record whose key is not (or no longer) filed: its slots are free."""
+        self.queue.drop(rec)
+        self.flags[rec] = 0
+        self.ready_count -= 1
+        self.gen[rec] = (self.gen[rec] + 1) & 0xFFFFFFFF
+        self._first.release(rec)
+        for pool, column in zip(self._others, self.other_slots):
+            pool.release(column[rec])
 
     def _put_one_by_one(self, keys: Sequence[BlockKey], rows: list[list[int]]) -> int:
         skipped = 0
         for key, row in zip(keys, rows):
-            old = self.recs.get(key)
-            if old is not None:
+            old = self.table.find(key)
+            if old >= 0:
                 self.remove(self._view(old, key))
             if any(not 0 <= s < p.capacity or p.taken[s] for s, p in zip(row, self.pools)):
                 skipped += 1
                 continue
-            self._put_all([key], [np.array([s], np.intp) for s in row], {key: row[0]})
+            self._put_all([np.array([s], np.intp) for s in row])
+            self.table.add(key, row[0])
         return skipped
 
-    def forget_recovered(self, keys: Sequence[BlockKey]) -> None:
+    def forget_recovered(self, keys: Sequence[BlockKey] | np.ndarray) -> None:
         """Replayed removals: the keys' records go, their slots are free."""
-        for key in keys:
-            rec = self.recs.get(key)
-            if rec is not None:
+        for key in keys.tolist() if isinstance(keys, np.ndarray) else keys:
+            rec = self.table.find(key)
+            if rec >= 0:
                 self.remove(self._view(rec, key))
 
     def queue_recovered(self, score: Callable[[Block], float] | None) -> None:
@@ -764,7 +787,7 @@ class BlockIndex:
             self.queue.push_all(recs, _NEVER)
             return
         for rec in recs.tolist():
-            block = self._view(rec, self.keys[rec])
+            block = self._view(rec, BlockKey(self.table.key(rec)))
             self.queue.push(rec, score(block))
 
     def ready_records(self) -> tuple[list[BlockKey], np.ndarray]:
@@ -772,7 +795,7 @@ class BlockIndex:
         uint64), in one pass over the arrays: what a journal snapshot holds."""
         flags = np.frombuffer(self.flags, np.uint8)
         recs = np.flatnonzero(flags == (_ATTACHED | _READY))
-        keys: list[BlockKey] = self.keys[recs].tolist()
+        keys = cast("list[BlockKey]", self.table.keys(recs))
         columns = [recs] + [np.frombuffer(c, np.uint32)[recs] for c in self.other_slots]
         return keys, np.stack(columns, axis=1).astype(np.uint64).ravel()
 
@@ -786,7 +809,7 @@ class BlockIndex:
         flight. ``double`` counts slots handed out twice (free and in a record, in two
         records): always a bug. ``view_mismatch`` counts keys whose record disagrees with
         the key it is filed under."""
-        attached = [rec for rec in self.recs.values() if self.flags[rec] & _ATTACHED]
+        attached = [rec for rec in self.table.records().tolist() if self.flags[rec] & _ATTACHED]
         double = quarantined = 0
         for p, pool in enumerate(self.pools):
             held = [0] * pool.capacity
@@ -797,11 +820,11 @@ class BlockIndex:
             quarantined += sum(1 for s, n in enumerate(held) if not n and taken[s])
         mismatch = sum(
             1
-            for key, rec in self.recs.items()
-            if self.keys[rec] is not key or not self.flags[rec] & _ATTACHED
+            for key, rec in self.table.items()
+            if self.table.find(key) != rec or not self.flags[rec] & _ATTACHED
         )
         return {
-            "blocks": len(self.recs),
+            "blocks": len(self.table),
             "filling": sum(1 for rec in attached if self.flags[rec] & _FILLING),
             "claims": sum(self.claims[rec] for rec in attached),
             "free": min((p.free for p in self.pools), default=0),

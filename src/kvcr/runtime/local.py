@@ -86,8 +86,7 @@ class LocalG2(Residency):
         live = [k for k in keys if k in pending]
         if not self._wants("decide_ingest"):
             # The usual case: every key not in the index is stored, nothing to ask per key.
-            resident = index.recs
-            new = [k for k in live if k not in resident]
+            new = [k for k, held in zip(live, index.present(live)) if not held]
             if len(new) == len(live):
                 live = []
             else:  # the others are in the index: the loop below sees to them

@@ -162,22 +162,20 @@ class Replayed:
         self.g3: dict[BlockKey, journal.Residency] = {}
         self.skipped = 0  # G2 puts left out: the index then differs from the journal
 
-    def put(self, tier: int, keys: list[bytes], values: Sequence[int], count: int) -> None:
+    def put(self, tier: int, keys: journal.Keys, values: Sequence[int], count: int) -> None:
         # The one place replayed journal keys (raw bytes) become block keys: the keys that
         # were put, byte for byte.
-        block_keys = cast("list[BlockKey]", keys)
         if tier == journal.PUT_G2:
-            self.skipped += self.index.put_recovered(block_keys, values)
+            self.skipped += self.index.put_recovered(cast("list[BlockKey]", keys), values)
         else:
-            for i, key in enumerate(block_keys):
+            for i, key in enumerate(cast("list[BlockKey]", journal.listed(keys))):
                 self.g3[key] = journal.Residency(tier, tuple(values[i * count : (i + 1) * count]))
 
-    def remove(self, op: int, keys: list[bytes]) -> None:
-        block_keys = cast("list[BlockKey]", keys)
+    def remove(self, op: int, keys: journal.Keys) -> None:
         if op == journal.REMOVE:
-            self.index.forget_recovered(block_keys)
+            self.index.forget_recovered(cast("list[BlockKey]", keys))
         else:
-            for key in block_keys:
+            for key in cast("list[BlockKey]", journal.listed(keys)):
                 self.g3.pop(key, None)
 
     def __len__(self) -> int:

@@ -388,8 +388,7 @@ class Runtime(Part):
     async def _read(self, op: Operation, destinations: Any, remote: Hinted | None) -> None:
         """deliver or fetch: keys in local G2 locally, keys the request's hint covers from
         the hinted peer, both at once; other keys fail."""
-        recs = self.index.recs
-        resident = [k for k in op.keys if k in recs]
+        resident = [k for k, held in zip(op.keys, self.index.present(op.keys)) if held]
         g3_keys: list[BlockKey] = []
         if self.g3 is not None:
             in_g2 = set(resident)

@@ -1,0 +1,418 @@
+"""Block keys -> records, with no Python object per key. Pure code over numpy arrays.
+
+A block index of a million records cannot afford a dict: each entry costs a key object, an
+int object and ~40 bytes of table (~150 B a key), and building it at a warm start makes a
+million objects (~0.7 s). Here a key lives as a row of ``rows`` (zero-padded to the table's
+width, at most :data:`MAX_WIDTH` bytes) with its length in ``lens``, both indexed by record,
+and an open-addressing table of int32 (linear probing, at most half full of live entries)
+maps a hash of the row to the record. A key longer than ``MAX_WIDTH`` is filed under its
+BLAKE2b digest (length code :data:`DIGEST`), the key itself kept aside by record: engines'
+keys are content hashes of 8-32 bytes, so that path is for odd callers only.
+
+Batches (a query, a deposit, a replayed journal frame) are probed with numpy, one round per
+probe step for all keys at once; a single key is probed in Python with the same hash.
+
+Removal leaves a tombstone; insertion goes only into empty entries, so every key already in
+the table lies before the first empty entry of its probe sequence and an insertion finds it
+(a duplicate is reported, never filed twice). The table is rebuilt without tombstones when
+they and the live entries fill :data:`MAX_USED` of it.
+
+Engine threads read (``find_many``) without locks while the runtime writes: a row is written
+before the entry that points at it, a rebuilt table is swapped in whole, and a reader only
+trusts an entry whose row equals its key, so a racing read answers as of before or after the
+change, never a wrong record.
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import struct
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+EMPTY, TOMB = -1, -2
+DIGEST = 255  # the length code of a key filed under its digest
+ABSENT = 254  # the length code of a probe that cannot match (never stored)
+MAX_WIDTH = 64
+DIGEST_BYTES = 32
+PYTHON_TAIL = 64  # keys still probing when a batch goes on one by one, in Python
+MAX_USED = 0.7  # live entries and tombstones, as a share of the table, before a rebuild
+_SEED = 0x9E3779B97F4A7C15
+_MUL = 0xBF58476D1CE4E5B9
+_MASK64 = (1 << 64) - 1
+_U64_SEED, _U64_MUL, _U64_32 = np.uint64(_SEED), np.uint64(_MUL), np.uint64(32)
+
+
+def _width_for(length: int) -> int:
+    return max(DIGEST_BYTES, (length + 7) & ~7)
+
+
+def _hash_rows(words: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    """The hash of each row (``words``: n x width/8 little-endian uint64) and length code."""
+    x: np.ndarray = (codes.astype(np.uint64) + np.uint64(1)) * _U64_SEED
+    for j in range(words.shape[1]):
+        x ^= words[:, j]
+        x *= _U64_MUL
+        x ^= x >> _U64_32
+    return x
+
+
+class _Layout:
+    """The parts a reader needs at once (swapped whole when the table is rebuilt). Each
+    array is a Python buffer (fast to index one element at a time) under a numpy view."""
+
+    __slots__ = (
+        "mask",
+        "row_bytes",
+        "rows",
+        "slot_ints",
+        "slots",
+        "tag_ints",
+        "tags",
+        "unpack",
+        "width",
+        "words",
+    )
+
+    def __init__(self, capacity: int, width: int, size: int) -> None:
+        self.width = width
+        self.row_bytes = bytearray(capacity * width)
+        self.rows = np.frombuffer(self.row_bytes, np.uint8).reshape(capacity, width)
+        self.words = self.rows.view("<u8")  # capacity x width/8
+        self.slot_ints = array.array("i", bytes(4 * size))
+        self.slots = np.frombuffer(self.slot_ints, np.int32)
+        self.slots[:] = EMPTY
+        self.tag_ints = array.array("I", bytes(4 * size))  # a hash's high half, by entry
+        self.tags = np.frombuffer(self.tag_ints, np.uint32)
+        self.mask = size - 1
+        self.unpack = struct.Struct(f"<{width // 8}Q").unpack
+
+
+class KeyTable:
+    """Block keys -> records in ``range(capacity)``; a record holds at most one key."""
+
+    def __init__(self, capacity: int, width: int = 32) -> None:
+        self.capacity = capacity
+        self._lens_bytes = bytearray(capacity)
+        self.lens = np.frombuffer(self._lens_bytes, np.uint8)
+        self._long: dict[int, bytes] = {}  # record -> key, for keys filed under a digest
+        self._size = 1 << max(4, (2 * capacity - 1).bit_length())
+        self._lay = _Layout(capacity, _width_for(min(width, MAX_WIDTH)), self._size)
+        self._count = 0
+        self._used = 0  # live entries and tombstones
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, bytes) and self.find(key) >= 0
+
+    @property
+    def width(self) -> int:
+        return self._lay.width
+
+    # -- identities: what a key is filed under ------------------------------------------------
+
+    @staticmethod
+    def _identity(key: bytes, width: int) -> tuple[bytes, int]:
+        """The padded row and length code of ``key`` at ``width`` (code ABSENT: a key of
+        this length cannot be in a table this narrow)."""
+        length = len(key)
+        if length <= width:
+            return key + bytes(width - length), length
+        if length > MAX_WIDTH:
+            digest = hashlib.blake2b(key, digest_size=DIGEST_BYTES).digest()
+            return digest + bytes(width - DIGEST_BYTES), DIGEST
+        return bytes(width), ABSENT
+
+    def _identities(self, keys: Sequence[bytes], width: int) -> tuple[np.ndarray, np.ndarray]:
+        """The rows (n x width/8 uint64) and length codes of ``keys``."""
+        n = len(keys)
+        if n and isinstance(keys[0], bytes):
+            # The usual batch: keys of one length (content hashes), joined in one C call.
+            joined, first = b"".join(keys), len(keys[0])
+            if first <= width and len(joined) == n * first and max(map(len, keys)) == first:
+                rows = np.zeros((n, width), dtype=np.uint8)
+                rows[:, :first] = np.frombuffer(joined, dtype=np.uint8).reshape(n, first)
+                return rows.view("<u8"), np.full(n, first, dtype=np.intp)
+        lens = np.fromiter(map(len, keys), dtype=np.intp, count=n)
+        if n and int(lens.max()) <= width:
+            rows = np.array(keys, dtype=f"S{width}")  # zero-padded, in C
+            return rows.view("<u8").reshape(n, width // 8), lens
+        idents = [self._identity(k, width) for k in keys]
+        words = np.frombuffer(b"".join(row for row, _ in idents), dtype="<u8")
+        return words.reshape(n, width // 8), np.array([c for _, c in idents], dtype=np.intp)
+
+    @staticmethod
+    def _hash_one(row: bytes | bytearray, code: int, lay: _Layout) -> int:
+        x = ((code + 1) * _SEED) & _MASK64
+        for word in lay.unpack(row):
+            x = ((x ^ word) * _MUL) & _MASK64
+            x ^= x >> 32
+        return x
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def find(self, key: bytes) -> int:
+        """The record of ``key``, or -1."""
+        lay = self._lay
+        row, code = self._identity(key, lay.width)
+        if code == ABSENT:
+            return -1
+        h = self._hash_one(row, code, lay)
+        return self._probe(lay, row, code, h & lay.mask, h >> 32)
+
+    def _probe(self, lay: _Layout, row: bytes, code: int, p: int, tag: int) -> int:
+        """The record filed at or after entry ``p`` for ``row`` and ``code``, or -1."""
+        slots, tags, rows, lens = lay.slot_ints, lay.tag_ints, lay.row_bytes, self._lens_bytes
+        w, mask = lay.width, lay.mask
+        while True:
+            rec = slots[p]
+            if rec == EMPTY:
+                return -1
+            if (
+                rec >= 0
+                and tags[p] == tag
+                and lens[rec] == code
+                and rows[rec * w : rec * w + w] == row
+            ):
+                return rec
+            p = (p + 1) & mask
+
+    def get(self, key: bytes, default: int | None = None) -> int | None:
+        rec = self.find(key)
+        return default if rec < 0 else rec
+
+    def find_many(self, keys: Sequence[bytes]) -> np.ndarray:
+        """The record of each key, -1 where it has none (intp)."""
+        n = len(keys)
+        found = np.full(n, -1, dtype=np.intp)
+        if not n or not self._count:
+            return found
+        lay = self._lay
+        words, codes = self._identities(keys, lay.width)
+        hashes = _hash_rows(words, codes)
+        pos = (hashes & np.uint64(lay.mask)).astype(np.intp)
+        tag = (hashes >> _U64_32).astype(np.uint32)
+        todo = np.arange(n)
+        while len(todo) > PYTHON_TAIL:
+            recs = lay.slots[pos]
+            hit = self._matches(lay, recs, lay.tags[pos] == tag, words[todo], codes[todo])
+            found[todo[hit]] = recs[hit]
+            going = ~hit & (recs != EMPTY)
+            todo, pos, tag = todo[going], (pos[going] + 1) & lay.mask, tag[going]
+        for i, p, t in zip(todo.tolist(), pos.tolist(), tag.tolist()):
+            found[i] = self._probe(lay, words[i].tobytes(), int(codes[i]), p, t)
+        return found
+
+    def _matches(
+        self,
+        lay: _Layout,
+        recs: np.ndarray,
+        same_tag: np.ndarray,
+        words: np.ndarray,
+        codes: np.ndarray,
+    ) -> np.ndarray:
+        """Which entries (``recs``, beside tags equal or not) hold the given rows: rows are
+        gathered only where the tags agree."""
+        hit = same_tag & (recs >= 0)
+        at = np.flatnonzero(hit)
+        if len(at):
+            r = recs[at]
+            hit[at] = (self.lens[r] == codes[at]) & (lay.words[r] == words[at]).all(axis=1)
+        return hit
+
+    def key(self, rec: int) -> bytes:
+        """The key of a record that has one."""
+        code = self._lens_bytes[rec]
+        if code == DIGEST:
+            return self._long[rec]
+        w = self._lay.width
+        return bytes(self._lay.row_bytes[rec * w : rec * w + code])
+
+    def keys(self, recs: np.ndarray) -> list[bytes]:
+        """The keys of records that have one (one C pass when they share a length)."""
+        if not len(recs):
+            return []
+        codes = self.lens[recs]
+        code = int(codes[0])
+        if code != DIGEST and code and bool((codes == code).all()):
+            rows = np.ascontiguousarray(self._lay.rows[recs, :code])
+            keys: list[bytes] = rows.view(f"V{code}").ravel().tolist()
+            return keys
+        return [self.key(rec) for rec in recs.tolist()]
+
+    def records(self) -> np.ndarray:
+        """Every record with a key, in no particular order."""
+        slots = self._lay.slots
+        return slots[slots >= 0].astype(np.intp)
+
+    def items(self) -> Iterator[tuple[bytes, int]]:
+        recs = self.records()
+        return zip(self.keys(recs), recs.tolist())
+
+    # -- writes (the runtime's thread only) ----------------------------------------------------
+
+    def add(self, key: bytes, rec: int) -> None:
+        """File ``key`` under ``rec`` (KeyError if the key has a record)."""
+        holder = self.add_many([key], np.array([rec], dtype=np.intp))
+        if holder[0] >= 0:
+            raise KeyError(f"key table: {key!r} already has record {int(holder[0])}")
+
+    def add_many(self, keys: Sequence[bytes], recs: np.ndarray) -> np.ndarray:
+        """File each key under its record (``recs``: distinct, without keys); returns, per
+        key, the record that holds it instead (-1: filed). A key that already had a record is
+        not filed again; of a key repeated in ``keys``, one record is filed and the others
+        name it."""
+        n = len(keys)
+        if not n:
+            return np.empty(0, dtype=np.intp)
+        longest = max((n for n in map(len, keys) if n <= MAX_WIDTH), default=0)
+        if longest > self._lay.width:
+            self._rebuild(_width_for(longest))
+        lay = self._lay
+        words, codes = self._identities(keys, lay.width)
+        long = np.flatnonzero(codes == DIGEST)
+        for i in long.tolist():
+            self._long[int(recs[i])] = keys[i]
+        return self._file(recs, words, codes)
+
+    def add_rows(self, rows: np.ndarray, recs: np.ndarray) -> np.ndarray:
+        """:meth:`add_many` for keys given as rows of one length (``rows``: n x length
+        uint8, e.g. a journal batch's keys in place): no object per key."""
+        n, length = rows.shape
+        if length > MAX_WIDTH:
+            return self.add_many([bytes(r) for r in rows], recs)
+        if length > self._lay.width:
+            self._rebuild(_width_for(length))
+        width = self._lay.width
+        padded = np.zeros((n, width), dtype=np.uint8)
+        padded[:, :length] = rows
+        return self._file(recs, padded.view("<u8"), np.full(n, length, dtype=np.intp))
+
+    def _file(self, recs: np.ndarray, words: np.ndarray, codes: np.ndarray) -> np.ndarray:
+        lay = self._lay
+        if self._used + len(recs) > MAX_USED * self._size:
+            self._rebuild(lay.width)
+            lay = self._lay
+        # Rows first: an entry is only ever read after the row it points at.
+        lay.words[recs] = words
+        self.lens[recs] = codes
+        hashes = _hash_rows(words, codes)
+        if self._used:
+            holders = self._place(lay, recs, hashes)
+        else:
+            holders = self._place_sorted(lay, recs, hashes)
+        filed = int((holders < 0).sum())
+        self._count += filed
+        self._used += filed
+        return holders
+
+    def _place(self, lay: _Layout, recs: np.ndarray, hashes: np.ndarray) -> np.ndarray:
+        """Put each record into the first empty entry of its probe sequence, all at once,
+        one probe step a round; a record whose key is met on the way is not placed
+        (returned: the record met, else -1)."""
+        n = len(recs)
+        holders = np.full(n, -1, dtype=np.intp)
+        todo = np.arange(n)
+        pos = (hashes & np.uint64(lay.mask)).astype(np.intp)
+        tag = (hashes >> _U64_32).astype(np.uint32)
+        slots = lay.slots
+        while len(todo):
+            held = slots[pos]
+            mine = recs[todo]
+            same = self._matches(lay, held, lay.tags[pos] == tag, lay.words[mine], self.lens[mine])
+            holders[todo[same]] = held[same]
+            # Several may want one empty entry: each writes, one write stays, it won.
+            empty = np.flatnonzero(held == EMPTY)
+            slots[pos[empty]] = mine[empty]
+            won = empty[slots[pos[empty]] == mine[empty]]
+            lay.tags[pos[won]] = tag[won]
+            done = same
+            done[won] = True
+            # Losers look at the same entry again (its winner may hold their key).
+            step = ~done & (held != EMPTY)
+            pos = np.where(step, (pos + 1) & lay.mask, pos)
+            todo, pos, tag = todo[~done], pos[~done], tag[~done]
+        return holders
+
+    def _place_sorted(self, lay: _Layout, recs: np.ndarray, hashes: np.ndarray) -> np.ndarray:
+        """:meth:`_place` into an empty table, in one pass: sorted by home entry, each goes
+        to the later of its home and the entry after the previous one (what linear probing
+        gives). The sort key is (home, tag), so equal keys end up side by side."""
+        order_key = ((hashes & np.uint64(lay.mask)) << _U64_32) | (hashes >> _U64_32)
+        order = np.argsort(order_key)
+        ordered = order_key[order]
+        twins = np.flatnonzero(ordered[1:] == ordered[:-1]) + 1
+        if len(twins):
+            r, prev = recs[order[twins]], recs[order[twins - 1]]
+            same = (self.lens[r] == self.lens[prev]) & (lay.words[r] == lay.words[prev]).all(1)
+            if same.any():  # a caller's duplicate (rare): one probe sequence at a time
+                return self._place(lay, recs, hashes)
+        homes = (ordered >> _U64_32).astype(np.intp)
+        steps = np.arange(len(order))
+        at = np.maximum.accumulate(homes - steps) + steps
+        inside = at <= lay.mask
+        if inside.all():
+            lay.slots[at] = recs[order]
+            lay.tags[at] = ordered.astype(np.uint32)
+            return np.full(len(recs), -1, dtype=np.intp)
+        lay.slots[at[inside]] = recs[order[inside]]
+        lay.tags[at[inside]] = ordered[inside].astype(np.uint32)
+        holders = np.full(len(recs), -1, dtype=np.intp)
+        wrapped = order[~inside]  # past the end of the table: round to its start
+        holders[wrapped] = self._place(lay, recs[wrapped], hashes[wrapped])
+        return holders
+
+    def remove(self, rec: int) -> None:
+        """Drop the key of ``rec`` (KeyError if it has none): in Python, one key."""
+        lay, code = self._lay, self._lens_bytes[rec]
+        w, slots, mask = lay.width, lay.slot_ints, lay.mask
+        p = self._hash_one(lay.row_bytes[rec * w : rec * w + w], code, lay) & mask
+        while (held := slots[p]) != rec:
+            if held == EMPTY:
+                raise KeyError(f"key table: record {rec} has no key")
+            p = (p + 1) & mask
+        slots[p] = TOMB
+        self._long.pop(rec, None)
+        self._count -= 1
+
+    def remove_many(self, recs: np.ndarray) -> None:
+        """Drop the keys of distinct records that have one."""
+        if not len(recs):
+            return
+        lay = self._lay
+        hashes = _hash_rows(lay.words[recs], self.lens[recs])
+        pos = (hashes & np.uint64(lay.mask)).astype(np.intp)
+        todo = np.arange(len(recs))
+        while len(todo):
+            held = lay.slots[pos]
+            mine = recs[todo]
+            if (held == EMPTY).any():
+                missing = mine[held == EMPTY][0]
+                raise KeyError(f"key table: record {int(missing)} has no key")
+            here = held == mine
+            lay.slots[pos[here]] = TOMB
+            todo, pos = todo[~here], (pos[~here] + 1) & lay.mask
+        for rec in recs.tolist():
+            self._long.pop(rec, None)
+        self._count -= len(recs)
+
+    def replace(self, old: int, new: int) -> None:
+        """File the key of ``old`` under ``new`` instead (``new``: without a key)."""
+        key = self.key(old)
+        self.remove(old)
+        self.add(key, new)
+
+    def _rebuild(self, width: int) -> None:
+        """A fresh table (no tombstones) at ``width``, swapped in whole."""
+        old = self._lay
+        recs = self.records()
+        lay = _Layout(self.capacity, width, self._size)
+        keep = min(width, old.width)
+        lay.rows[:, :keep] = old.rows[:, :keep]
+        self._place_sorted(lay, recs, _hash_rows(lay.words[recs], self.lens[recs]))
+        self._lay = lay
+        self._used = self._count
