@@ -188,8 +188,10 @@ class KeyTable:
     def find_many(self, keys: Sequence[bytes]) -> np.ndarray:
         """The record of each key, -1 where it has none (intp)."""
         n = len(keys)
+        if n <= PYTHON_TAIL:  # numpy's fixed cost per call would outweigh the batch
+            return np.array([self.find(k) for k in keys] if self._count else [-1] * n, np.intp)
         found = np.full(n, -1, dtype=np.intp)
-        if not n or not self._count:
+        if not self._count:
             return found
         lay = self._lay
         words, codes = self._identities(keys, lay.width)
