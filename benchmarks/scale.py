@@ -14,14 +14,17 @@ byte. For each count N, one guard service with one group of N blocks:
    - ``gc.collect``: a full collection, ms, after the fill (beside the same before it);
    - ``query``: a call for 1,024 keys, µs per key, all HIT and all MISS;
    - ``deposit``: 1,024 new keys into the full pool (each evicts one), from the engine call
-     to the poll that returned the last entry, µs per key (the 4 KiB copies included:
-     ~0.5 µs each at memcpy speed);
+     to the poll that returned the last entry, the engine polling every 0.5 ms as a
+     scheduler does, µs per key (the 4 KiB copies included: ~0.5-1 µs each at memcpy
+     speed; the last poll's wait: up to 0.5 µs a key); and the runtime thread's CPU time
+     per key meanwhile (its clock, ``pthread_getcpuclockid``);
    - ``deliver``: 1,024 resident keys into the engine region, the same way;
    - the baseline: ``memmove`` of 4 KiB blocks between two shared mappings, µs per block,
      and deposit and deliver less it (their bookkeeping);
    - ``align_sequence`` for 1,024 resident keys: the engine call, and until an empty
      deliver made after it is answered (the runtime takes commands in order), beside that
-     fence alone, and the difference (the align's own work), µs.
+     fence alone, and the difference (the align's own work), µs; and the runtime thread's
+     CPU time for an align and a fence, less that for a fence alone (median of 21).
 2. **warm start**: constructing a KVCR over the group that now holds N committed blocks
    (replay of its journal), until the constructor returns; checked by a query of all N.
 3. **takeover**: a holder process (``recovery_holder.py``) claims the group (warm), is
@@ -38,6 +41,7 @@ import ctypes
 import gc
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -49,6 +53,7 @@ from recovery import Instance, guard_service, kill_a_holder
 BLOCK = 4 * common.KIB
 BATCH = 1000  # keys per fill call, and elements of the engine region
 PROBE = 1024  # keys per query, deposit and align_sequence measurement
+POLL_S = 0.5e-3  # the engine's poll cadence for deposit and deliver (a scheduler step)
 
 
 def count(n: int) -> str:
@@ -105,21 +110,23 @@ def measure_filled(service: common.GuardService, n: int, region: Any) -> dict[st
         out["align_call_us"] = best_of(5, lambda: timed_call(kv.align_sequence, hits))
         out["align_us"] = best_of(5, lambda: fenced(inst, lambda: kv.align_sequence(hits)))
         out["fence_us"] = best_of(5, lambda: fenced(inst, lambda: None))
+        out["align_cpu_us"] = runtime_cpu_us(inst, lambda: kv.align_sequence(hits))
+        out["align_cpu_us"] -= runtime_cpu_us(inst, lambda: None)
         fresh = iter(range(n + 2 * 10**9, n + 3 * 10**9))
-        deposits = []
-        for _ in range(7):
-            blocks = {key(next(fresh)): inst.engine.ref(i % BATCH) for i in range(PROBE)}
-            elapsed, got = inst.engine.timed(lambda b=blocks: kv.deposit(b), PROBE)
-            all_success("deposit", got, PROBE)
-            deposits.append(elapsed)
-        out["deposit_us"] = common.percentile(deposits[2:], 50) / PROBE * 1e6
-        delivers = []
-        for _ in range(7):
-            wanted = {k: inst.engine.ref(i % BATCH) for i, k in enumerate(hits)}
-            elapsed, got = inst.engine.timed(lambda w=wanted: kv.deliver(w), len(hits))
-            all_success("deliver", got, len(hits))
-            delivers.append(elapsed)
-        out["deliver_us"] = common.percentile(delivers[2:], 50) / len(hits) * 1e6
+        new_blocks = (
+            {key(next(fresh)): inst.engine.ref(i % BATCH) for i in range(PROBE)} for _ in range(7)
+        )
+        wanted = {k: inst.engine.ref(i % BATCH) for i, k in enumerate(hits)}
+        for name, submit in (
+            ("deposit", lambda: kv.deposit(next(new_blocks))),
+            ("deliver", lambda: kv.deliver(wanted)),
+        ):
+            cpu, times = runtime_clock(inst), []
+            c0 = time.clock_gettime(cpu)
+            for _ in range(7):
+                times.append(polled(kv, name, submit, PROBE))
+            out[f"{name}_cpu_us"] = (time.clock_gettime(cpu) - c0) / (7 * PROBE) * 1e6
+            out[f"{name}_us"] = common.percentile(times[2:], 50) / PROBE * 1e6
         out["copy_us"] = copy_us()
         out["deposit_over_copy_us"] = out["deposit_us"] - out["copy_us"]
         out["deliver_over_copy_us"] = out["deliver_us"] - out["copy_us"]
@@ -144,7 +151,7 @@ def copy_us() -> float:
     return common.percentile(times, 50) / PROBE * 1e6
 
 
-def fenced(inst: Instance, call: Any) -> float:
+def fenced(inst: Instance, call: Any, pause: float = 0.0) -> float:
     """µs from ``call`` until an empty deliver made after it is answered: the runtime takes
     commands in order, so this covers the call's work there (beside the fence alone)."""
     kv = inst.kv
@@ -152,8 +159,45 @@ def fenced(inst: Instance, call: Any) -> float:
     call()
     fence = kv.deliver({})
     while not any(handle == fence for handle, _ in kv.poll_completed()):
-        time.sleep(0)
+        time.sleep(pause)
     return (time.perf_counter() - t0) * 1e6
+
+
+def polled(kv: Any, what: str, submit: Any, nkeys: int) -> float:
+    """Seconds from the engine call until the poll that returned its last entry, polling
+    every ``POLL_S`` as a scheduler does (not spinning: a spinning engine thread takes the
+    GIL from the runtime's between its steps)."""
+    t0 = time.perf_counter()
+    handle, got = submit(), 0
+    while True:
+        for op, done in kv.poll_completed():
+            if op == handle:
+                all_success(what, done, len(done))
+                got += len(done)
+        if got >= nkeys:
+            return time.perf_counter() - t0
+        time.sleep(POLL_S)
+        if time.perf_counter() - t0 > 60:
+            raise RuntimeError(f"{what}: {got}/{nkeys} entries after 60 s")
+
+
+def runtime_clock(inst: Instance) -> int:
+    """The CPU-time clock of the instance's runtime thread."""
+    name = f"kvcr-{inst.engine.agent}"
+    thread = next(t for t in threading.enumerate() if t.name == name)
+    assert thread.ident is not None
+    return time.pthread_getcpuclockid(thread.ident)
+
+
+def runtime_cpu_us(inst: Instance, call: Any, times: int = 21) -> float:
+    """The runtime thread's CPU time, µs, for ``call`` and an empty deliver after it
+    (median of ``times``); the engine polls every ``POLL_S`` meanwhile."""
+    cpu, samples = runtime_clock(inst), []
+    for _ in range(times):
+        c0 = time.clock_gettime(cpu)
+        fenced(inst, call, POLL_S)
+        samples.append(time.clock_gettime(cpu) - c0)
+    return common.percentile(samples, 50) * 1e6
 
 
 def timed_call(call: Any, arg: Any) -> float:
@@ -218,6 +262,8 @@ ROWS = (  # figure, what it is, unit
     ("query_miss_us", "query, 1,024 missing keys", "us/key"),
     ("deposit_us", "deposit of 1,024 new keys into the full pool (copies included)", "us/key"),
     ("deliver_us", "deliver of 1,024 resident keys (copies included)", "us/key"),
+    ("deposit_cpu_us", "deposit: the runtime thread's CPU (the copies run on others)", "us/key"),
+    ("deliver_cpu_us", "deliver: the runtime thread's CPU (the copies run on others)", "us/key"),
     ("copy_us", "baseline: memmove of a 4 KiB block between shared mappings", "us/key"),
     ("deposit_over_copy_us", "deposit bookkeeping: deposit less the memmove baseline", "us/key"),
     ("deliver_over_copy_us", "deliver bookkeeping: deliver less the memmove baseline", "us/key"),
@@ -225,6 +271,7 @@ ROWS = (  # figure, what it is, unit
     ("align_us", "align_sequence of 1,024 resident keys, until a fence after it", "us"),
     ("fence_us", "the fence alone (an empty deliver, answered)", "us"),
     ("align_work_us", "align_sequence's own work: until the fence, less the fence", "us"),
+    ("align_cpu_us", "align_sequence: the runtime thread's CPU, less an empty deliver's", "us"),
 )
 
 

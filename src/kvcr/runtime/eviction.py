@@ -82,6 +82,16 @@ class EvictionQueue:
             self.queued[rec] = 0
             self.count -= 1
 
+    def drop_many(self, recs: np.ndarray) -> None:
+        """:meth:`drop` for distinct records at once."""
+        self.count -= int(np.count_nonzero(self._queued_np[recs]))
+        self._queued_np[recs] = 0
+
+    @property
+    def queued_np(self) -> np.ndarray:
+        """``queued`` as a numpy array (a view)."""
+        return self._queued_np
+
     def pop(self) -> int | None:
         """The queued record with the lowest (score, rec), out of the queue; None if the
         queue is empty."""

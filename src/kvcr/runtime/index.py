@@ -241,6 +241,41 @@ class JournalSink(Protocol):
     def flush(self) -> object: ...
 
 
+class Found:
+    """One lookup of a batch of keys (:meth:`BlockIndex.lookup`): each key's record (-1:
+    none) and its state flags (0: none)."""
+
+    __slots__ = ("flags", "recs")
+
+    def __init__(self, recs: np.ndarray, flags: np.ndarray) -> None:
+        self.recs, self.flags = recs, flags
+
+    @property
+    def ready(self) -> np.ndarray:
+        """Which keys have a READY record in the index."""
+        ready: np.ndarray = self.flags == _ATTACHED | _READY
+        return ready
+
+    @property
+    def filling(self) -> np.ndarray:
+        """Which keys have a record being filled."""
+        filling: np.ndarray = self.flags & _FILLING != 0
+        return filling
+
+
+class Claim:
+    """Records claimed at once (:meth:`BlockIndex.claim_ready`), with their generations:
+    dropping the claims later touches only the records that are still those."""
+
+    __slots__ = ("gens", "recs")
+
+    def __init__(self, recs: np.ndarray, gens: np.ndarray) -> None:
+        self.recs, self.gens = recs, gens
+
+    def __len__(self) -> int:
+        return len(self.recs)
+
+
 def slot_pools(memory: MemoryMap) -> list[SlotPool]:
     """A slot pool for each of ``memory``'s pools."""
     return [
@@ -390,32 +425,30 @@ class BlockIndex:
         if self.journal is not None:
             self.journal.flush()
         recs = self._first.take_many(len(keys))
-        holders = self.table.add_many(keys, np.array(recs, dtype=np.intp))
+        at = np.array(recs, dtype=np.intp)
+        holders = self.table.add_many(keys, at)
         if (holders >= 0).any():
             self._unfile(keys, recs, holders)
-        flags, gen, claims, recency = self.flags, self.gen, self.claims, self.recency
-        new, number = _ATTACHED | _FILLING, self.number
-        blocks = []
-        if self._others:
-            others = [pool.take_many(len(keys)) for pool in self._others]
-            for i, (key, rec) in enumerate(zip(keys, recs)):
-                slots = (rec, *(o[i] for o in others))
-                for column, o in zip(self.other_slots, others):
-                    column[rec] = o[i]
-                blocks.append(_new(Block, (rec, gen[rec], key, slots, number)))
-        else:
-            blocks = [
-                _new(Block, (rec, gen[rec], key, (rec,), number)) for key, rec in zip(keys, recs)
-            ]
-        for rec in recs:
-            flags[rec] = new
-            claims[rec] = 0
-            recency[rec] = now
+        np.frombuffer(self.flags, np.uint8)[at] = _ATTACHED | _FILLING
+        np.frombuffer(self.claims, np.uint32)[at] = 0
+        np.frombuffer(self.recency, np.float64)[at] = now
         if self.access_counts is not None and self.positions is not None:
-            for rec in recs:
-                self.access_counts[rec] = 0
-                self.positions[rec] = -1
-        return blocks
+            np.frombuffer(self.access_counts, np.uint32)[at] = 0
+            np.frombuffer(self.positions, np.int32)[at] = -1
+        gens: list[int] = np.frombuffer(self.gen, np.uint32)[at].tolist()
+        number = self.number
+        if not self._others:
+            return [
+                _new(Block, (rec, gen, key, (rec,), number))
+                for key, rec, gen in zip(keys, recs, gens)
+            ]
+        others = [pool.take_many(len(keys)) for pool in self._others]
+        for column, taken in zip(self.other_slots, others):
+            np.frombuffer(column, np.uint32)[at] = taken
+        return [
+            _new(Block, (rec, gen, key, (rec, *slots), number))
+            for key, rec, gen, *slots in zip(keys, recs, gens, *others)
+        ]
 
     def _unfile(self, keys: Sequence[BlockKey], recs: list[int], holders: np.ndarray) -> None:
         """Undo the filing of a batch of new records, one of whose keys had a record."""
@@ -437,14 +470,47 @@ class BlockIndex:
         their recency) and journaled as one batch."""
         if not blocks:
             return
-        flags = self.flags
-        recs = [block[0] for block in blocks]
-        for rec in recs:
-            flags[rec] = _ATTACHED | _READY
-        self.requeue(np.array(recs, dtype=np.intp), scores)
+        recs = self.records(blocks)
+        np.frombuffer(self.flags, np.uint8)[recs] = _ATTACHED | _READY
+        self.requeue(recs, scores)
         self.ready_count += len(recs)
         if self.journal is not None:
             self.journal.committed_many([b[2] for b in blocks], [b[3] for b in blocks])
+
+    def lookup(self, keys: Sequence[BlockKey]) -> Found:
+        """What one probe of the key table finds for ``keys``: for the hot paths, which
+        then claim or wait without looking the keys up again (valid until they yield)."""
+        recs, flags = self._flags_of(keys)
+        return Found(recs, flags)
+
+    def claim_ready(self, found: Found, now: float) -> Claim:
+        """:meth:`claim_many` for the READY records of a fresh :meth:`lookup` (distinct
+        keys), with numpy: no view per block."""
+        at = found.recs[found.ready]
+        np.frombuffer(self.claims, np.uint32)[at] += 1
+        self.queue.drop_many(at)
+        np.frombuffer(self.recency, np.float64)[at] = now
+        if self.access_counts is not None:
+            np.frombuffer(self.access_counts, np.uint32)[at] += 1
+        return Claim(at, np.frombuffer(self.gen, np.uint32)[at].copy())
+
+    def unclaim_records(self, claim: Claim) -> np.ndarray:
+        """Drop the claims of :meth:`claim_ready`; returns the records whose last claim
+        went while in the index and out of the queue (the caller queues them again)."""
+        recs, gens = claim.recs, claim.gens
+        claims = np.frombuffer(self.claims, np.uint32)
+        held = (np.frombuffer(self.gen, np.uint32)[recs] == gens) & (
+            np.frombuffer(self.flags, np.uint8)[recs] & _ATTACHED != 0
+        )
+        at = recs[held & (claims[recs] > 0)]
+        claims[at] -= 1
+        back: np.ndarray = at[(claims[at] == 0) & (self.queue.queued_np[at] == 0)]
+        return back
+
+    def slots_of(self, recs: np.ndarray) -> np.ndarray:
+        """The slots of records in every pool: n x pools (the first column: ``recs``)."""
+        columns = [recs] + [np.frombuffer(c, np.uint32)[recs] for c in self.other_slots]
+        return np.stack(columns, axis=1).astype(np.intp)
 
     def claim_many(self, blocks: Sequence[Block], now: float) -> None:
         """:meth:`claim` (an access at ``now``) of blocks in the index, at once."""

@@ -37,25 +37,50 @@ DIGEST = 255  # the length code of a key filed under its digest
 ABSENT = 254  # the length code of a probe that cannot match (never stored)
 MAX_WIDTH = 64
 DIGEST_BYTES = 32
-PYTHON_TAIL = 64  # keys still probing when a batch goes on one by one, in Python
+PYTHON_BATCH = 16  # a batch this small is probed key by key, in Python
+PYTHON_TAIL = 16  # keys still probing past a window go on one by one, in Python
 MAX_USED = 0.7  # live entries and tombstones, as a share of the table, before a rebuild
 _SEED = 0x9E3779B97F4A7C15
 _MUL = 0xBF58476D1CE4E5B9
 _MASK64 = (1 << 64) - 1
-_U64_SEED, _U64_MUL, _U64_32 = np.uint64(_SEED), np.uint64(_MUL), np.uint64(32)
+_FIN = 0x94D049BB133111EB
+_U64_SEED, _U64_MUL, _U64_FIN = np.uint64(_SEED), np.uint64(_MUL), np.uint64(_FIN)
+_U64_27, _U64_30, _U64_31, _U64_32 = (np.uint64(n) for n in (27, 30, 31, 32))
+_UNPACK = [struct.Struct(f"<{n}Q").unpack_from for n in range(MAX_WIDTH // 8 + 1)]
+WINDOW = 8  # entries a batch probe reads per key and round
+_STEPS = np.arange(WINDOW)
 
 
 def _width_for(length: int) -> int:
     return max(DIGEST_BYTES, (length + 7) & ~7)
 
 
+def _words_of(code: int) -> int:
+    """How many 8-byte words of a row the hash reads: the key's own, not the padding."""
+    return DIGEST_BYTES // 8 if code == DIGEST else (code + 7) // 8
+
+
 def _hash_rows(words: np.ndarray, codes: np.ndarray) -> np.ndarray:
-    """The hash of each row (``words``: n x width/8 little-endian uint64) and length code."""
+    """The hash of each row (``words``: n x at least each key's own words, little-endian
+    uint64) and length code, over the key's own words only (an 8-byte key: one round)."""
     x: np.ndarray = (codes.astype(np.uint64) + np.uint64(1)) * _U64_SEED
-    for j in range(words.shape[1]):
-        x ^= words[:, j]
-        x *= _U64_MUL
-        x ^= x >> _U64_32
+    if not len(codes):
+        return x
+    first = int(codes[0])
+    uniform = bool((codes == first).all())
+    counts = None if uniform else np.where(codes == DIGEST, DIGEST_BYTES // 8, (codes + 7) // 8)
+    rounds = _words_of(first) if counts is None else int(counts.max())
+    for j in range(min(rounds, words.shape[1])):
+        mixed = (x ^ words[:, j]) * _U64_MUL
+        mixed ^= mixed >> _U64_32
+        x = mixed if counts is None else np.where(j < counts, mixed, x)
+    # splitmix64's finaliser: every input bit reaches the low bits (the home entry) and the
+    # high ones (the tag), which one multiply does not do for a key's high bytes.
+    x ^= x >> _U64_30
+    x *= _U64_MUL
+    x ^= x >> _U64_27
+    x *= _U64_FIN
+    x ^= x >> _U64_31
     return x
 
 
@@ -71,7 +96,6 @@ class _Layout:
         "slots",
         "tag_ints",
         "tags",
-        "unpack",
         "width",
         "words",
     )
@@ -87,7 +111,6 @@ class _Layout:
         self.tag_ints = array.array("I", bytes(4 * size))  # a hash's high half, by entry
         self.tags = np.frombuffer(self.tag_ints, np.uint32)
         self.mask = size - 1
-        self.unpack = struct.Struct(f"<{width // 8}Q").unpack
 
 
 class KeyTable:
@@ -128,30 +151,39 @@ class KeyTable:
         return bytes(width), ABSENT
 
     def _identities(self, keys: Sequence[bytes], width: int) -> tuple[np.ndarray, np.ndarray]:
-        """The rows (n x width/8 uint64) and length codes of ``keys``."""
+        """The rows and length codes of ``keys``: rows as n x k little-endian uint64, where k
+        (at most ``width`` / 8) covers the longest key's own words; zero-padded."""
         n = len(keys)
         if n and isinstance(keys[0], bytes):
             # The usual batch: keys of one length (content hashes), joined in one C call.
             joined, first = b"".join(keys), len(keys[0])
             if first <= width and len(joined) == n * first and max(map(len, keys)) == first:
-                rows = np.zeros((n, width), dtype=np.uint8)
+                if first % 8 == 0:
+                    return (
+                        np.frombuffer(joined, dtype="<u8").reshape(n, first // 8),
+                        np.full(n, first, dtype=np.intp),
+                    )
+                rows = np.zeros((n, (first + 7) & ~7), dtype=np.uint8)
                 rows[:, :first] = np.frombuffer(joined, dtype=np.uint8).reshape(n, first)
                 return rows.view("<u8"), np.full(n, first, dtype=np.intp)
         lens = np.fromiter(map(len, keys), dtype=np.intp, count=n)
         if n and int(lens.max()) <= width:
-            rows = np.array(keys, dtype=f"S{width}")  # zero-padded, in C
-            return rows.view("<u8").reshape(n, width // 8), lens
+            longest = max(8, (int(lens.max()) + 7) & ~7)
+            rows = np.array(keys, dtype=f"S{longest}")  # zero-padded, in C
+            return rows.view("<u8").reshape(n, longest // 8), lens
         idents = [self._identity(k, width) for k in keys]
         words = np.frombuffer(b"".join(row for row, _ in idents), dtype="<u8")
         return words.reshape(n, width // 8), np.array([c for _, c in idents], dtype=np.intp)
 
     @staticmethod
-    def _hash_one(row: bytes | bytearray, code: int, lay: _Layout) -> int:
+    def _hash_one(row: bytes | bytearray, code: int) -> int:
         x = ((code + 1) * _SEED) & _MASK64
-        for word in lay.unpack(row):
+        for word in _UNPACK[_words_of(code)](row):
             x = ((x ^ word) * _MUL) & _MASK64
             x ^= x >> 32
-        return x
+        x = ((x ^ (x >> 30)) * _MUL) & _MASK64
+        x = ((x ^ (x >> 27)) * _FIN) & _MASK64
+        return x ^ (x >> 31)
 
     # -- reads --------------------------------------------------------------------------------
 
@@ -161,7 +193,7 @@ class KeyTable:
         row, code = self._identity(key, lay.width)
         if code == ABSENT:
             return -1
-        h = self._hash_one(row, code, lay)
+        h = self._hash_one(row, code)
         return self._probe(lay, row, code, h & lay.mask, h >> 32)
 
     def _probe(self, lay: _Layout, row: bytes, code: int, p: int, tag: int) -> int:
@@ -188,7 +220,7 @@ class KeyTable:
     def find_many(self, keys: Sequence[bytes]) -> np.ndarray:
         """The record of each key, -1 where it has none (intp)."""
         n = len(keys)
-        if n <= PYTHON_TAIL:  # numpy's fixed cost per call would outweigh the batch
+        if n <= PYTHON_BATCH:  # numpy's fixed cost per call would outweigh the batch
             return np.array([self.find(k) for k in keys] if self._count else [-1] * n, np.intp)
         found = np.full(n, -1, dtype=np.intp)
         if not self._count:
@@ -200,31 +232,38 @@ class KeyTable:
         tag = (hashes >> _U64_32).astype(np.uint32)
         todo = np.arange(n)
         while len(todo) > PYTHON_TAIL:
-            recs = lay.slots[pos]
-            hit = self._matches(lay, recs, lay.tags[pos] == tag, words[todo], codes[todo])
-            found[todo[hit]] = recs[hit]
-            going = ~hit & (recs != EMPTY)
-            todo, pos, tag = todo[going], (pos[going] + 1) & lay.mask, tag[going]
+            at = (pos[:, None] + _STEPS) & lay.mask
+            held = lay.slots.take(at)
+            i, rec = self._matches(lay, at, held, tag, words[todo], codes[todo])
+            found[todo[i]] = rec
+            # Keys whose window had neither their record nor an empty entry read on.
+            going = (held != EMPTY).all(axis=1)
+            going[i] = False
+            todo, pos, tag = todo[going], (pos[going] + WINDOW) & lay.mask, tag[going]
+        # The few in long probe sequences: a numpy round each would cost more than Python.
         for i, p, t in zip(todo.tolist(), pos.tolist(), tag.tolist()):
-            found[i] = self._probe(lay, words[i].tobytes(), int(codes[i]), p, t)
+            row = words[i].tobytes() + bytes(lay.width - 8 * words.shape[1])
+            found[i] = self._probe(lay, row, int(codes[i]), p, t)
         return found
 
     def _matches(
         self,
         lay: _Layout,
-        recs: np.ndarray,
-        same_tag: np.ndarray,
+        at: np.ndarray,
+        held: np.ndarray,
+        tag: np.ndarray,
         words: np.ndarray,
         codes: np.ndarray,
-    ) -> np.ndarray:
-        """Which entries (``recs``, beside tags equal or not) hold the given rows: rows are
-        gathered only where the tags agree."""
-        hit = same_tag & (recs >= 0)
-        at = np.flatnonzero(hit)
-        if len(at):
-            r = recs[at]
-            hit[at] = (self.lens[r] == codes[at]) & (lay.words[r] == words[at]).all(axis=1)
-        return hit
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The entries of windows (``at``, holding ``held``) that hold the given rows (which
+        window, the record there). Rows are compared only where the tags agree; a key is
+        filed once, so a window has at most one. An entry past an empty one is trusted too:
+        it can only have been filled since the probe began, and then the key is in."""
+        both = np.flatnonzero((lay.tags.take(at) == tag[:, None]) & (held >= 0))
+        i, rec = both // WINDOW, held.ravel().take(both)
+        stored = lay.words.take(rec, axis=0)[:, : words.shape[1]]
+        same = (self.lens.take(rec) == codes[i]) & (stored == words[i]).all(axis=1)
+        return i[same], rec[same]
 
     def key(self, rec: int) -> bytes:
         """The key of a record that has one."""
@@ -289,8 +328,7 @@ class KeyTable:
             return self.add_many([bytes(r) for r in rows], recs)
         if length > self._lay.width:
             self._rebuild(_width_for(length))
-        width = self._lay.width
-        padded = np.zeros((n, width), dtype=np.uint8)
+        padded = np.zeros((n, max(8, (length + 7) & ~7)), dtype=np.uint8)
         padded[:, :length] = rows
         return self._file(recs, padded.view("<u8"), np.full(n, length, dtype=np.intp))
 
@@ -300,11 +338,14 @@ class KeyTable:
             self._rebuild(lay.width)
             lay = self._lay
         # Rows first: an entry is only ever read after the row it points at.
-        lay.words[recs] = words
+        k = words.shape[1]
+        lay.words[recs, :k] = words
+        if k < lay.width // 8:
+            lay.words[recs, k:] = 0
         self.lens[recs] = codes
         hashes = _hash_rows(words, codes)
         if self._used:
-            holders = self._place(lay, recs, hashes)
+            holders = self._place(lay, recs, hashes, k)
         else:
             holders = self._place_sorted(lay, recs, hashes)
         filed = int((holders < 0).sum())
@@ -312,10 +353,13 @@ class KeyTable:
         self._used += filed
         return holders
 
-    def _place(self, lay: _Layout, recs: np.ndarray, hashes: np.ndarray) -> np.ndarray:
-        """Put each record into the first empty entry of its probe sequence, all at once,
-        one probe step a round; a record whose key is met on the way is not placed
-        (returned: the record met, else -1)."""
+    def _place(
+        self, lay: _Layout, recs: np.ndarray, hashes: np.ndarray, span: int | None = None
+    ) -> np.ndarray:
+        """Put each record into the first empty entry of its probe sequence, all at once, a
+        window of entries a round; a record whose key is met on the way is not placed
+        (returned: the record met, else -1). ``span``: how many words of a row its key spans
+        at most (None: all)."""
         n = len(recs)
         holders = np.full(n, -1, dtype=np.intp)
         todo = np.arange(n)
@@ -323,20 +367,27 @@ class KeyTable:
         tag = (hashes >> _U64_32).astype(np.uint32)
         slots = lay.slots
         while len(todo):
-            held = slots[pos]
+            at = (pos[:, None] + _STEPS) & lay.mask
+            held = slots[at]
             mine = recs[todo]
-            same = self._matches(lay, held, lay.tags[pos] == tag, lay.words[mine], self.lens[mine])
-            holders[todo[same]] = held[same]
+            mine_words = lay.words.take(mine, axis=0)[:, :span]
+            i, holder = self._matches(lay, at, held, tag, mine_words, self.lens.take(mine))
+            holders[todo[i]] = holder
+            done = np.zeros(len(todo), dtype=bool)
+            done[i] = True
+            empty = held == EMPTY
+            has = empty.any(axis=1) & ~done
             # Several may want one empty entry: each writes, one write stays, it won.
-            empty = np.flatnonzero(held == EMPTY)
-            slots[pos[empty]] = mine[empty]
-            won = empty[slots[pos[empty]] == mine[empty]]
-            lay.tags[pos[won]] = tag[won]
-            done = same
-            done[won] = True
-            # Losers look at the same entry again (its winner may hold their key).
-            step = ~done & (held != EMPTY)
-            pos = np.where(step, (pos + 1) & lay.mask, pos)
+            k = np.flatnonzero(has)
+            target = at[k, empty[k].argmax(axis=1)]
+            slots[target] = mine[k]
+            won = slots[target] == mine[k]
+            lay.tags[target[won]] = tag[k[won]]
+            done[k[won]] = True
+            # Losers read the same window again (its winner may hold their key); a full
+            # window without their key sends them on to the next.
+            step = ~has & ~done
+            pos = np.where(step, (pos + WINDOW) & lay.mask, pos)
             todo, pos, tag = todo[~done], pos[~done], tag[~done]
         return holders
 
@@ -372,7 +423,7 @@ class KeyTable:
         """Drop the key of ``rec`` (KeyError if it has none): in Python, one key."""
         lay, code = self._lay, self._lens_bytes[rec]
         w, slots, mask = lay.width, lay.slot_ints, lay.mask
-        p = self._hash_one(lay.row_bytes[rec * w : rec * w + w], code, lay) & mask
+        p = self._hash_one(lay.row_bytes[rec * w : rec * w + w], code) & mask
         while (held := slots[p]) != rec:
             if held == EMPTY:
                 raise KeyError(f"key table: record {rec} has no key")
@@ -390,14 +441,16 @@ class KeyTable:
         pos = (hashes & np.uint64(lay.mask)).astype(np.intp)
         todo = np.arange(len(recs))
         while len(todo):
-            held = lay.slots[pos]
+            at = (pos[:, None] + _STEPS) & lay.mask
+            held = lay.slots[at]
             mine = recs[todo]
-            if (held == EMPTY).any():
-                missing = mine[held == EMPTY][0]
-                raise KeyError(f"key table: record {int(missing)} has no key")
-            here = held == mine
-            lay.slots[pos[here]] = TOMB
-            todo, pos = todo[~here], (pos[~here] + 1) & lay.mask
+            here = held == mine[:, None]
+            lay.slots[at[here]] = TOMB
+            going = ~here.any(axis=1)
+            lost = going & (held == EMPTY).any(axis=1)
+            if lost.any():
+                raise KeyError(f"key table: record {int(mine[lost][0])} has no key")
+            todo, pos = todo[going], (pos[going] + WINDOW) & lay.mask
         for rec in recs.tolist():
             self._long.pop(rec, None)
         self._count -= len(recs)

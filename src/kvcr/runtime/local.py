@@ -17,9 +17,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import trio
 
-from kvcr.runtime.index import Block, BlockState
+from kvcr.runtime.index import Block, BlockState, Claim
 from kvcr.runtime.ops import DROPPED, FAILED, SUCCESS, Operation
 from kvcr.runtime.residency import Residency, fill_over, wait_filled
 from kvcr.runtime.transfers import Xfer
@@ -220,50 +221,45 @@ class LocalG2(Residency):
         destinations: Mapping[BlockKey, tuple[int, ...]],
         keys: Sequence[BlockKey],
     ) -> None:
-        await self.wait_fills(keys)
-        now = trio.current_time()
-        answers: dict[BlockKey, OpEntryResult] = {}
-        claimed: list[Block] = []
-        bases = self.memory.pool_base
-        dst: list[int] = []
-        src: list[int] = []
-        live = op.live
-        for key, block in zip(keys, self.index.ready_views(keys)):
-            if not live(key):
-                continue
-            if block is None:
-                answers[key] = FAILED
-                continue
-            claimed.append(block)
-            dst.extend(destinations[key])
-            if len(bases) == 1:
-                src.append(bases[0] + block.rec)
-            else:
-                src.extend(base + slot for base, slot in zip(bases, block.slots))
-        self.index.claim_many(claimed, now)
-        if answers:
-            op.failure = op.failure or f"deliver: {len(answers)} keys are not in local G2"
-        self.outbox.answer(op, answers)
+        # One lookup, then claims, sources and answers by arrays: no view per block.
+        pending, index = op.pending, self.index
+        keys = [k for k in keys if k in pending]
+        found = index.lookup(keys)
+        if found.filling.any():
+            await self.wait_fills([k for k, f in zip(keys, found.filling.tolist()) if f])
+            keys = [k for k in keys if k in pending]
+            found = index.lookup(keys)
+        claim = index.claim_ready(found, trio.current_time())
+        claimed = keys
+        if len(claim) < len(keys):
+            ready = found.ready.tolist()
+            claimed = [k for k, ok in zip(keys, ready) if ok]
+            missing = [k for k, ok in zip(keys, ready) if not ok]
+            op.failure = op.failure or f"deliver: {len(missing)} keys are not in local G2"
+            self.outbox.answer(op, dict.fromkeys(missing, FAILED))
         if not claimed:
             return
+        dst = [d for k in claimed for d in destinations[k]]
+        slots = index.slots_of(claim.recs) + np.array(self.memory.pool_base, dtype=np.intp)
+        src: list[int] = slots.ravel().tolist()
 
         def settle(xfer: Xfer) -> None:
             self.outbox.xfer_terminal(op, xfer)
-            self._settle_deliver(op, claimed, xfer.ok)
+            self._settle_deliver(op, claimed, claim, xfer.ok)
 
         nbytes = len(claimed) * self.memory.bytes_per_key
         try:
             xfer = self.transfers.start(dst, src, f"deliver op {op.handle}", nbytes, settle)
         except TransportError as exc:
             op.failure = str(exc)
-            self._settle_deliver(op, claimed, False)
+            self._settle_deliver(op, claimed, claim, False)
             return
-        await self._follow(op, xfer, [b.key for b in claimed])
+        await self._follow(op, xfer, claimed)
 
-    def _settle_deliver(self, op: Operation, claimed: list[Block], ok: bool) -> None:
-        self.unclaim_all(claimed)
-        live = op.live
-        answers = dict.fromkeys([b.key for b in claimed if live(b.key)], SUCCESS if ok else FAILED)
+    def _settle_deliver(self, op: Operation, keys: list[BlockKey], claim: Claim, ok: bool) -> None:
+        self.unclaim_records(claim)
+        pending = op.pending
+        answers = dict.fromkeys([k for k in keys if k in pending], SUCCESS if ok else FAILED)
         if ok:
             op.moved += len(answers)
         else:

@@ -18,7 +18,7 @@ import trio
 
 from kvcr.policy import HOOKS as POLICY_HOOKS
 from kvcr.policy import KVCachePolicy
-from kvcr.runtime.index import Block, BlockIndex, BlockState
+from kvcr.runtime.index import Block, BlockIndex, BlockState, Claim
 from kvcr.runtime.part import Part
 from kvcr.runtime.transfers import Transfers
 from kvcr.transport.base import Transport
@@ -164,6 +164,13 @@ class Residency(Part):
         back = self.index.unclaim_many(blocks)
         if back:
             self.index.requeue(self.index.records(back), self.scores(back))
+
+    def unclaim_records(self, claim: Claim) -> None:
+        """:meth:`unclaim_all` for records claimed at once (``BlockIndex.claim_ready``)."""
+        back = self.index.unclaim_records(claim)
+        if len(back):
+            blocks = self.index.views(back) if self.scores_by_policy else []
+            self.index.requeue(back, self.scores(blocks))
 
     def _policy(self, hook: str, default: Any, *args: Any) -> Any:
         fn = self._hooks[hook]
