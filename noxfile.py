@@ -97,7 +97,8 @@ NO_TORCH = "torch; sys_platform == 'never'\n"
 @nox.session(venv_backend="none")
 def wheel(session: nox.Session) -> None:
     """Build the wheel, install it into a fresh environment, and use kvcr from there: the
-    import comes from site-packages, `kvcr-guard` runs, and examples/quickstart.py passes."""
+    import comes from site-packages, `kvcr-guard` runs, `kvcr diagnose` passes, and
+    examples/quickstart.py passes."""
     tmp = Path(session.create_tmp()).resolve()
     for old in tmp.glob("*"):
         shutil.rmtree(old) if old.is_dir() else old.unlink()
@@ -121,6 +122,9 @@ def wheel(session: nox.Session) -> None:
     session.run(str(venv / "bin" / "kvcr-guard"), "--help", silent=True, external=True)
     # From a directory outside the checkout, so that only the wheel can provide kvcr.
     session.chdir(tmp)
+    # Its kvcr check fails unless kvcr is imported from the wheel's files, and its self-test
+    # moves bytes through the installed NIXL; a failed check exits 1 and fails the session.
+    session.run(str(venv / "bin" / "kvcr"), "diagnose", env=NIXL_ENV, external=True)
     examples = Path(__file__).resolve().parent / "examples"
     session.run(python, str(examples / "quickstart.py"), env=NIXL_ENV, external=True)
 

@@ -20,7 +20,17 @@ from kvcr.config import KVCRBackendConfigs, KVCRConfig, KVCRGuardConfig, Telemet
 from kvcr.hint_book import HintBook
 from kvcr.hints import RouterHint, parse_router_hint
 from kvcr.instance import Instance
-from kvcr.runtime.commands import Abort, Align, Connect, Deliver, Deposit, Fetch, Hinted, Release
+from kvcr.runtime.commands import (
+    Abort,
+    Align,
+    Confirm,
+    Connect,
+    Deliver,
+    Deposit,
+    Fetch,
+    Hinted,
+    Release,
+)
 from kvcr.runtime.index import MISS, BlockIndex
 from kvcr.types import (
     BlockKey,
@@ -80,6 +90,8 @@ class KVCR:
         self._log = instance.log
         self._op_ids = instance.context.op_ids
         self._open_ops = shared.open_ops
+        # Operations under a "move" hint -> keys whose result the engine has not taken yet.
+        self._moves: dict[int, set[BlockKey]] = {}
         self._live_handles = shared.live_handles
         self._engine = instance.engine
         self._index: BlockIndex = instance.runtime.index
@@ -198,7 +210,9 @@ class KVCR:
             return None
         index = self._index
         covered = frozenset(k for k in keys if k not in index and self._hint_covers(hint, k))
-        return Hinted(hint.source_control_endpoint, request_id, covered) if covered else None
+        if not covered:
+            return None
+        return Hinted(hint.source_control_endpoint, request_id, covered, hint.mode, hint.no_retain)
 
     def _hint_covers(self, hint: RouterHint, key: BlockKey) -> bool:
         if self._opportunistic:
@@ -248,6 +262,7 @@ class KVCR:
             )
         remote = self._remote(request_id, key_list)
         handle = self._open(key_list)
+        self._follow_move(handle, key_list, remote)
         self._commands.put(Fetch(handle, key_list, remote))
         return handle
 
@@ -260,8 +275,15 @@ class KVCR:
         remote = self._remote(request_id, destinations)
         keys = list(destinations)
         handle = self._open(keys)
+        self._follow_move(handle, keys, remote)
         self._commands.put(Deliver(handle, keys, destinations, refs, remote))
         return handle
+
+    def _follow_move(self, handle: int, keys: list[BlockKey], remote: Hinted | None) -> None:
+        """A ``move`` hint's peer may drop its copies only once the engine has every result
+        of the operation: :meth:`poll_completed` confirms then (engine thread only)."""
+        if remote is not None and remote.mode == "move":
+            self._moves[handle] = set(keys)
 
     def release(self, handles: Iterable[ReleaseHandle]) -> list[ReleaseResult]:
         self._check_open("release")
@@ -289,7 +311,20 @@ class KVCR:
             results = self._outbox.results
             ready = len(results)
             self._engine.serve()
-            return [results.popleft() for _ in range(ready)]  # only the turn's holder pops
+            taken = [results.popleft() for _ in range(ready)]  # only the turn's holder pops
+            if self._moves:
+                self._confirm_moves(taken)
+            return taken
+
+    def _confirm_moves(self, taken: list[OpResult]) -> None:
+        for handle, entries in taken:
+            waiting = self._moves.get(handle)
+            if waiting is None:
+                continue
+            waiting.difference_update(entries)
+            if not waiting:
+                del self._moves[handle]
+                self._commands.put(Confirm(handle))
 
     def abort(self, op_handle: OpHandle, keys: Sequence[BlockKey] | None = None) -> bool:
         self._check_open("abort")

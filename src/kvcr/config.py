@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Protocol, TypeGuard, runtime_checkable
 
+from kvcr.g3 import paths as g3_paths
 from kvcr.guard.protocol import MAX_GROUPS
 from kvcr.types import (
     BlockKey,
@@ -207,6 +208,10 @@ class RemoteFWDramOptions:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class G3Options:
+    """``paths`` may contain ``{agent}`` and ``{guard_index}``, expanded per instance
+    (:mod:`kvcr.g3.paths`): an engine that gives every data-parallel rank the same options
+    still gets one file per rank, as each file has a single owner."""
+
     paths: tuple[Path, ...]
     capacity_bytes_per_file: int
     backend: str = "POSIX"
@@ -243,17 +248,14 @@ def _g3_paths(value: object) -> tuple[Path, ...]:
     for i, raw in enumerate(value):
         if not isinstance(raw, (str, os.PathLike)) or isinstance(raw, bytes) or not str(raw):
             raise ValueError(f"{where}[{i}] must be a non-empty str or Path, got {_shown(raw)}")
+        g3_paths.placeholders(str(raw), f"{where}[{i}]")
         try:
             path = Path(raw)
-            resolved = path.expanduser().resolve()
+            resolved, identity = g3_paths.file_identity(path)
         except (OSError, RuntimeError, ValueError) as exc:
             raise ValueError(f"{where}[{i}] ({_shown(raw)}) cannot be resolved: {exc}") from None
-        # Hard links and bind mounts alias by inode, symlinks and '..' by resolved name.
-        try:
-            st = resolved.stat()
-            identity: object = (st.st_dev, st.st_ino)
-        except OSError:
-            identity = resolved
+        # Templates alias like names: two spellings of one template name one file for every
+        # instance. Different templates that meet only once expanded are caught then.
         for other_identity in (identity, resolved):
             if other_identity in identities:
                 raise ValueError(
@@ -262,6 +264,24 @@ def _g3_paths(value: object) -> tuple[Path, ...]:
         identities[identity] = identities[resolved] = path
         paths.append(path)
     return tuple(paths)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class InstanceG3Options(G3Options):
+    """The G3 options of one instance (:func:`for_instance`): ``paths`` are its own files,
+    placeholders expanded; ``templates`` are the paths as configured, for messages."""
+
+    templates: tuple[Path, ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        templates = tuple(Path(t) for t in (self.templates or self.paths))
+        if len(templates) != len(self.paths):
+            raise ValueError(
+                f"InstanceG3Options: templates must be one per path, got {len(templates)} "
+                f"for {len(self.paths)}"
+            )
+        object.__setattr__(self, "templates", templates)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -372,6 +392,31 @@ def validate_setup(
         if local is None and guard_config is None:
             raise ValueError("KVCRBackendConfigs: g3 needs local DRAM (local_dram or a guard)")
         validate_g3_layout(config.pool_layouts, backend_configs.g3)
+        if guard_config is None:
+            for i, path in enumerate(backend_configs.g3.paths):
+                where = f"G3Options: paths[{i}]"
+                if "guard_index" in g3_paths.placeholders(str(path), where):
+                    raise ValueError(f"{where} ({_shown(str(path))}): {g3_paths.NEEDS_GUARD}")
+
+
+def for_instance(
+    config: KVCRConfig, backend_configs: KVCRBackendConfigs, guard_index: int | None
+) -> KVCRBackendConfigs:
+    """``backend_configs`` as one instance uses them: its G3 files are the configured paths
+    with ``{agent}`` and ``{guard_index}`` expanded (:mod:`kvcr.g3.paths`). Expanding twice
+    changes nothing."""
+    g3 = backend_configs.g3
+    if g3 is None or isinstance(g3, InstanceG3Options):
+        return backend_configs
+    files = g3_paths.expand(g3.paths, agent=config.nixl_agent_name, guard_index=guard_index)
+    mine = InstanceG3Options(
+        paths=files,
+        capacity_bytes_per_file=g3.capacity_bytes_per_file,
+        backend=g3.backend,
+        backend_options=g3.backend_options,
+        templates=g3.paths,
+    )
+    return dataclasses.replace(backend_configs, g3=mine)
 
 
 def validate_pools_against_layouts(layouts: PoolBlockLayouts, local: LocalDramOptions) -> None:

@@ -36,8 +36,12 @@ Rules (contract section 6, plus the decisions marked *)
 - ``block_hashes`` is a non-empty *``list`` (what JSON and msgpack decode to; tuples are
   rejected) of ``int`` in ``[0, 2**64)``. Bools are not ints here. *Int subclasses are
   rejected too. Duplicates are allowed and kept in ``ordered_hashes``.
-- ``payload.mode`` absent (*or null) means ``"copy"``; any other value is rejected until
-  implemented, as is a present and truthy ``payload.no_retain``.
+- ``payload.mode`` absent (*or null) means ``"copy"``; ``"move"`` lets the source drop its
+  copy once this destination confirmed the keys (after the engine polled their success);
+  anything else is rejected. ``payload.no_retain`` absent or null means false; *it must be
+  a bool: true makes a ``fetch`` drop the fetched blocks from local G2 when the engine
+  releases them (a ``deliver`` from a peer writes straight into engine memory and never
+  keeps a local copy).
 - *``message_id`` and ``action_id`` are kept for logs: None, bools, floats, ints of at most
   128 bits and strings of at most 256 characters as given; anything else as a short repr
   string (so a hint stays small, hashable and safe to log).
@@ -85,7 +89,7 @@ ROUTER_HINT_CAPABILITIES = frozenset({"router_hint"})
 PROTOCOL_VERSION = "0.1"
 FETCH_ACTION_TYPE = "kv.fetch"
 FETCH_ACTION_VERSION = "1.0"
-SUPPORTED_MODES = frozenset({"copy"})
+SUPPORTED_MODES = frozenset({"copy", "move"})
 HASH_LIMIT = 2**64
 MAX_ENDPOINT_LENGTH = 256
 DEFAULT_MAX_REQUESTS = 65536
@@ -255,9 +259,7 @@ def _validate_hashes(_hint: object, _attribute: object, value: tuple[object, ...
 
 def _validate_mode(_hint: object, _attribute: object, value: object) -> None:
     if value not in SUPPORTED_MODES:
-        raise ValueError(
-            f"RouterHint: mode: {describe_value(value)} is not implemented yet; only 'copy' is"
-        )
+        raise ValueError(f"RouterHint: mode: {describe_value(value)}; expected 'copy' or 'move'")
 
 
 # --- the value ------------------------------------------------------------------------------
@@ -287,6 +289,7 @@ class RouterHint:
         default=FETCH_ACTION_VERSION, validator=attrs.validators.instance_of(str)
     )
     mode: str = attrs.field(default="copy", validator=_validate_mode)
+    no_retain: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
     def __attrs_post_init__(self) -> None:  # after the validators: the hashes are ints
         object.__setattr__(self, "block_hashes", frozenset(self.ordered_hashes))
@@ -422,17 +425,15 @@ def parse_router_hint(envelope: object) -> RouterHint:
         raise _reject(f"{where}[{bad}]", _bad_hash_problem(hashes[bad]))
 
     mode = payload.get("mode")
-    if mode is not None and not (type(mode) is str and mode in SUPPORTED_MODES):
-        raise _reject(
-            path + ".mode",
-            f"{describe_value(mode)} is not implemented yet; only 'copy' is supported",
-        )
+    if mode is None:
+        mode = "copy"
+    elif not (type(mode) is str and mode in SUPPORTED_MODES):
+        raise _reject(path + ".mode", f"{describe_value(mode)}; expected 'copy' or 'move'")
     no_retain = payload.get("no_retain")
-    if no_retain:
-        raise _reject(
-            path + ".no_retain",
-            f"{describe_value(no_retain)}: no_retain is not implemented yet; omit it or set it false",
-        )
+    if no_retain is None:
+        no_retain = False
+    elif type(no_retain) is not bool:
+        raise _reject(path + ".no_retain", f"{describe_value(no_retain)}; expected true or false")
 
     return RouterHint(
         source_control_endpoint=str(endpoint),
@@ -441,5 +442,6 @@ def parse_router_hint(envelope: object) -> RouterHint:
         action_id=action.get("action_id"),
         protocol_version=protocol_version,
         action_version=action_version,
-        mode="copy",
+        mode=str(mode),
+        no_retain=no_retain,
     )

@@ -23,6 +23,7 @@ from kvcr.config import (
     KVCRConfig,
     KVCRGuardConfig,
     SharedListenerControl,
+    for_instance,
     validate_pools_against_layouts,
     validate_setup,
 )
@@ -109,6 +110,9 @@ class Instance:
         """Validate, claim the guard's pools if configured, build, and run the runtime in a
         thread of its own; returns once memory is registered."""
         validate_setup(config, backend_configs, guard_config)
+        # Before the claim: the guard ties the group to the files this instance will open.
+        guard_index = guard_config.guard_index if guard_config is not None else None
+        backend_configs = for_instance(config, backend_configs, guard_index)
         if not isinstance(bindings, KVCRBindings):
             raise ValueError(
                 f"KVCR: bindings must be a KVCRBindings, got {type(bindings).__name__}"

@@ -301,7 +301,8 @@ KVCR(engine.config, Recorder().bindings(), dataclasses.replace(engine.backend_co
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert out.returncode != 0
-    assert "another process holds it" in out.stderr and str(inst.g3.paths[0]) in out.stderr
+    assert "in use by another live KVCR instance" in out.stderr
+    assert str(inst.g3.paths[0]) in out.stderr and "{agent}" in out.stderr
 
 
 # --- G3 behind a guard: the next holder of the group reopens the files, keeps what is valid --

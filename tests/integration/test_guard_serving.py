@@ -79,9 +79,12 @@ async def test_a_served_group_runs_in_the_services_loop_and_is_cancelled_at_hand
 
                 # Serving: the runtime's tasks run in this loop; nothing else was started
                 # but the copy threads of its transport.
-                copiers = copying_threads()
+                # (Threads of earlier tests' instances may linger, e.g. one that kept its
+                # memory for a pull whose source died: only threads started since count.)
+                started = set(other_threads()) - set(before)
+                copiers = {name for name in started if name in copying_threads()}
                 assert len(copiers) == copy_threads()
-                assert sorted(set(other_threads()) - set(copiers)) == before
+                assert started == copiers
                 assert runs == []
 
                 heir = await trio.to_thread.run_sync(
@@ -100,7 +103,7 @@ async def test_a_served_group_runs_in_the_services_loop_and_is_cancelled_at_hand
     names = [e["event"] for e in events]
     assert names.index("serving") < names.index("handed_back")
     assert "group_unusable" not in names and "serving_failed" not in names
-    assert other_threads() == before
+    assert set(other_threads()) <= set(before)  # every thread the service started ended
 
 
 SMALL = 4096  # bytes a block: many blocks in a small pool

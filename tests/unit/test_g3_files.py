@@ -1,4 +1,4 @@
-"""G3 files: created and reserved with their parents, locked for one process, striped, and
+"""G3 files: created and reserved with their parents, locked for one instance, striped, and
 trusted slot by slot only while the file and the slot's record are what the index expects."""
 
 from __future__ import annotations
@@ -68,7 +68,42 @@ def test_a_second_process_on_the_same_path_is_refused(tmp_path) -> None:
             [sys.executable, "-c", code], capture_output=True, text=True, check=False
         )
         assert out.returncode != 0
-        assert "another process holds it" in out.stderr and str(g3.files[0].path) in out.stderr
+        assert "in use by another live KVCR instance" in out.stderr
+        assert str(g3.files[0].path) in out.stderr and "{agent}" in out.stderr
+    finally:
+        g3.close()
+
+
+def test_a_second_instance_in_this_process_is_refused_with_the_placeholders(tmp_path) -> None:
+    g3 = files(tmp_path, n=2)
+    try:
+        # flock locks an open file, not a process: a second open of the path is refused too.
+        with pytest.raises(G3FileError) as caught:
+            G3Files((tmp_path / "other.bin", g3.files[1].path), 8 * BLOCK, BLOCK)
+        text = str(caught.value)
+        assert f"G3 file {g3.files[1].path}: in use by another live KVCR instance" in text
+        assert "put {agent} (the NIXL agent name) or {guard_index}" in text
+        assert "in paths[1]" in text and f"{tmp_path / 'd1' / 'g3-{agent}.bin'}" in text
+    finally:
+        g3.close()
+    # The refused set let go of the file it had opened before the refusal.
+    G3Files((tmp_path / "other.bin",), 8 * BLOCK, BLOCK).close()
+
+
+def test_a_template_that_expanded_to_a_held_file_says_so(tmp_path) -> None:
+    g3 = files(tmp_path, n=1)
+    try:
+        with pytest.raises(G3FileError) as caught:
+            G3Files(
+                (g3.files[0].path,),
+                8 * BLOCK,
+                BLOCK,
+                templates=(tmp_path / "d0" / "{agent}.bin",),
+            )
+        text = str(caught.value)
+        assert "in use by another live KVCR instance" in text
+        assert "paths[0] ('" + str(tmp_path / "d0" / "{agent}.bin") + "') expanded" in text
+        assert "own NIXL agent name ({agent}) or guard index ({guard_index})" in text
     finally:
         g3.close()
 

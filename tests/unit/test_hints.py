@@ -188,9 +188,21 @@ def test_copy_mode_explicit_absent_or_null_is_accepted(extra):
     assert parse_router_hint(envelope(payload_extra=extra)).mode == "copy"
 
 
-@pytest.mark.parametrize("no_retain", [False, None, 0, ""])
-def test_a_falsy_no_retain_is_accepted(no_retain):
-    parse_router_hint(envelope(payload_extra={"no_retain": no_retain}))
+def test_move_mode_is_parsed():
+    assert parse_router_hint(envelope(payload_extra={"mode": "move"})).mode == "move"
+
+
+@pytest.mark.parametrize(
+    ("given", "parsed"),
+    [
+        ({}, False),
+        ({"no_retain": None}, False),
+        ({"no_retain": False}, False),
+        ({"no_retain": True}, True),
+    ],
+)
+def test_no_retain_absent_null_or_a_bool_is_accepted(given, parsed):
+    assert parse_router_hint(envelope(payload_extra=given)).no_retain is parsed
 
 
 def test_parsing_does_not_modify_the_envelope():
@@ -480,23 +492,23 @@ REJECTED = [
         "got None",
     ),
     (
-        "mode-move",
-        _with_payload(mode="move"),
+        "mode-other",
+        _with_payload(mode="teleport"),
         "actions[0].payload.mode",
-        "'move' is not implemented yet",
+        "'teleport'; expected 'copy' or 'move'",
     ),
-    ("mode-number", _with_payload(mode=1), "actions[0].payload.mode", "not implemented yet"),
+    ("mode-number", _with_payload(mode=1), "actions[0].payload.mode", "expected 'copy' or 'move'"),
     (
-        "no-retain-true",
-        _with_payload(no_retain=True),
+        "no-retain-zero",
+        _with_payload(no_retain=0),
         "actions[0].payload.no_retain",
-        "not implemented yet",
+        "expected true or false",
     ),
     (
         "no-retain-truthy",
         _with_payload(no_retain="yes"),
         "actions[0].payload.no_retain",
-        "not implemented yet",
+        "expected true or false",
     ),
     (
         "wrapped-hash-bad",
@@ -570,7 +582,7 @@ def test_router_hint_derives_its_block_hash_set_and_keeps_its_repr_short():
         ({"ordered_hashes": (1, True)}, "ordered_hashes[1]"),
         ({"ordered_hashes": (2**64,)}, "ordered_hashes[0]"),
         ({"source_control_endpoint": "tcp://h:0"}, "source_control_endpoint"),
-        ({"mode": "move"}, "mode"),
+        ({"mode": "teleport"}, "mode"),
     ],
 )
 def test_constructing_a_router_hint_directly_checks_the_same_rules(kwargs, what):
@@ -847,7 +859,7 @@ def test_any_json_like_input_either_parses_into_a_sound_hint_or_raises_value_err
     assert parsed.ordered_hashes
     assert all(type(h) is int and 0 <= h <= MAX_HASH for h in parsed.ordered_hashes)
     assert parsed.block_hashes == frozenset(parsed.ordered_hashes)
-    assert parsed.mode == "copy"
+    assert parsed.mode in ("copy", "move") and type(parsed.no_retain) is bool
     assert all(parsed.covers(h) for h in parsed.ordered_hashes)
     hash(parsed)
 

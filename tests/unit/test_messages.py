@@ -28,6 +28,7 @@ from kvcr.transport.messages import (
     PROTOCOL_VERSION,
     TYPES,
     U64,
+    Confirm,
     Hello,
     HelloAck,
     MessageError,
@@ -54,8 +55,10 @@ EXAMPLES = [
         keys=[b"k0", b"k1"],
         pools=2,
         dst=Pull.pack([(4096, 512), (16384, 256), (8192, 512), (12288, 256)]),
+        move=True,
     ),
     Written(incarnation=9, req=1, indices=[0, 1]),
+    Confirm(sender=EP, incarnation=7, req=1, indices=[1]),
     Over(sender=EP, incarnation=9, req=1, reason="nothing to write"),
     Probe(sender=EP, incarnation=7, req=1, cancel=True),
     ProbeAck(sender=EP, incarnation=9, req=1, state="writing"),
@@ -85,6 +88,15 @@ def wire(kind: str, **changes) -> bytes:
 
 def test_there_is_one_example_of_every_message_type():
     assert sorted(type(msg).TYPE for msg in EXAMPLES) == sorted(TYPES)
+
+
+def test_a_copy_pull_leaves_move_off_the_wire_so_older_sources_read_it():
+    copy = attrs.evolve(EXAMPLES[2], move=False)
+
+    raw = msgpack.unpackb(encode(copy), raw=False)
+
+    assert "move" not in raw
+    assert decode(encode(copy)) == copy
 
 
 @pytest.mark.parametrize("message", EXAMPLES, ids=lambda msg: type(msg).TYPE)

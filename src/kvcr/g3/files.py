@@ -6,9 +6,10 @@ Every file of ``G3Options.paths`` is laid out as::
 
 and is ``record area + capacity_bytes_per_file`` bytes long, created with its parents,
 reserved to its full size (a full disk fails at startup, not at the first spill), and held
-with an exclusive ``flock`` for the life of the process: a second process on the same path
-is refused. Slots are striped across the files (global slot ``i`` lives in file
-``i % nfiles``), so that consecutive slots spread over all disks.
+with an exclusive ``flock`` for the life of the instance: a second instance on the same
+path, in another process or in this one, is refused (with a hint at the placeholders that
+give each instance its own file, ``paths.py``). Slots are striped across the files (global
+slot ``i`` lives in file ``i % nfiles``), so that consecutive slots spread over all disks.
 
 A slot's record says which key it holds (a 16-byte BLAKE2b digest of the key), in which
 *generation* (a number that grows with every store), and carries its own CRC; the data of a
@@ -35,6 +36,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import attrs
+
+from kvcr.g3 import paths as g3_paths
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 FILE_MAGIC = 0x4B563346  # "KV3F"
@@ -107,7 +110,16 @@ class G3File:
 class G3Files:
     """The open, locked, reserved files of one worker's G3 tier."""
 
-    def __init__(self, paths: tuple[Path, ...], capacity_bytes_per_file: int, block: int):
+    def __init__(
+        self,
+        paths: tuple[Path, ...],
+        capacity_bytes_per_file: int,
+        block: int,
+        *,
+        templates: Sequence[Path] | None = None,
+    ):
+        """``templates``: ``G3Options.paths`` as configured, before expansion (for
+        messages; by default the paths themselves)."""
         if capacity_bytes_per_file % block or block % PAGE:
             raise ValueError(
                 f"G3: capacity {capacity_bytes_per_file} must be whole blocks of {block} bytes "
@@ -121,8 +133,9 @@ class G3Files:
         # of local slot i at i * RECORD_SIZE); all zeros: nothing expected.
         self._expected: list[bytearray] = []
         try:
-            for index, path in enumerate(paths):
-                self.files.append(self._open(Path(path), index, len(paths)))
+            names = paths if templates is None else templates
+            for index, (path, template) in enumerate(zip(paths, names, strict=True)):
+                self.files.append(self._open(Path(path), index, len(paths), Path(template)))
                 self._expected.append(bytearray(RECORD_SIZE * self.slots_per_file))
         except BaseException:
             self.close()
@@ -150,7 +163,7 @@ class G3Files:
 
     # -- files -------------------------------------------------------------------------------
 
-    def _open(self, path: Path, index: int, nfiles: int) -> G3File:
+    def _open(self, path: Path, index: int, nfiles: int, template: Path) -> G3File:
         size = self.area + self.slots_per_file * self.block
         where = f"G3 file {path}"
         try:
@@ -163,7 +176,7 @@ class G3Files:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 raise G3FileError(
-                    errno.EBUSY, f"{where}: another process holds it (one owner per file)"
+                    errno.EBUSY, f"{where}: {g3_paths.in_use(path, template, index)}"
                 ) from None
             st = os.fstat(fd)
             header = FILE_HEADER.pack(

@@ -1,7 +1,7 @@
 """``kvcr-guard``: run the guard service, or ask a running one for its status.
 
     kvcr-guard --socket-path S --pool-dir D --guard-count N --pool-sizes-gb A,B \\
-               --compatibility-digest X [--log-level L]
+               --compatibility-digest X [--log-level L] [--metrics-port P [--metrics-host H]]
     kvcr-guard status --socket-path S [--json]
 
 Exit codes: 0 clean shutdown (SIGINT / SIGTERM) or status shown; 1 the service failed or
@@ -70,6 +70,18 @@ def serve_parser() -> argparse.ArgumentParser:
         "with enough free pages (pool sizes are rounded down to the huge page)",
     )
     p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on this TCP port (0: any free port, logged as "
+        "metrics_serving); off by default",
+    )
+    p.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address the metrics endpoint listens on (default 127.0.0.1)",
+    )
+    p.add_argument(
         "--allow-gid",
         default=None,
         help="also let members of this group (name or id) claim: the socket becomes 0660 "
@@ -109,6 +121,10 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         raise FlagError(f"--socket-path {socket_path}: directory {socket_path.parent} is missing")
     if not (math.isfinite(args.idle_timeout_s) and args.idle_timeout_s > 0):
         raise FlagError(f"--idle-timeout-s must be a positive number, got {args.idle_timeout_s}")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise FlagError(f"--metrics-port must be in 0..65535, got {args.metrics_port}")
+    if not args.metrics_host:
+        raise FlagError("--metrics-host must be an address, got an empty string")
     huge_page = None
     if args.huge_pages:
         try:
@@ -124,6 +140,8 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         pool_sizes=sizes,
         compatibility_digest=digest,
         idle_timeout_s=args.idle_timeout_s,
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
     )
 
 

@@ -19,6 +19,7 @@ import trio
 
 from kvcr.guard import protocol as wire
 from kvcr.guard.journal import DictState, Follower, Replay, State
+from kvcr.guard.metrics import GroupTally
 from kvcr.guard.pools import GroupFile, map_group
 from kvcr.guard.procs import close_quietly
 from kvcr.guard.rules import Groups, Lease
@@ -33,8 +34,11 @@ FOLLOW_INTERVAL_S = 0.5
 
 
 class Guard:
-    def __init__(self, index: int, file: GroupFile, groups: Groups, log: Any) -> None:
+    def __init__(
+        self, index: int, file: GroupFile, groups: Groups, log: Any, tally: GroupTally | None = None
+    ) -> None:
         self.index = index
+        self.tally = tally if tally is not None else GroupTally()  # for the metrics
         self.file = file
         self.mapping = map_group(file.fd, file.layout)
         self.server: GroupServer | None = None
@@ -221,8 +225,14 @@ class Guard:
             return
         self.server = server
         self.groups.move(self.index, "takeover")
+        self.tally.takeovers += 1
         self.nursery.start_soon(self._watch_server, server)
         self.log.info("took_over", seconds=round(trio.current_time() - started, 6))
+
+    def serving_blocks(self) -> int:
+        """Blocks the current server (if any) has written to peers so far."""
+        server = self.server
+        return server.served_blocks() if server is not None else 0
 
     async def _watch_server(self, server: GroupServer) -> None:
         """A server that stops on its own (its runtime failed) leaves the group unusable:
@@ -231,6 +241,7 @@ class Guard:
         if self.server is not server:
             return  # handed back or closed: whoever stopped it decided
         self.server = None
+        self.tally.served_blocks += server.served_blocks()
         self._unusable(server, server.failure or "its server stopped")
 
     def _unusable(self, server: GroupServer, reason: str) -> None:
@@ -246,12 +257,15 @@ class Guard:
         server, self.server = self.server, None
         with trio.CancelScope(shield=True):  # bounded by the runtime's own deadlines
             stopped_clean = server is None or await server.stop()
+        if server is not None:
+            self.tally.served_blocks += server.served_blocks()
         if server is not None and not stopped_clean:
             reason = server.failure or "a transfer of its server may still read its pools"
             self._unusable(server, reason)
             return
         self._forget_if_clean()
         self._follow_on(server)
+        self.tally.handbacks += 1
         self.log.info("handed_back", seconds=round(trio.current_time() - started, 6))
 
     def _follow_on(self, server: GroupServer | None) -> None:

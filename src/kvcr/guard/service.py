@@ -37,6 +37,13 @@ import trio
 from kvcr.errors import KVCRMsgFramingError
 from kvcr.guard import protocol as wire
 from kvcr.guard.guard import Guard
+from kvcr.guard.metrics import (
+    GroupReading,
+    MetricsEndpoint,
+    ServiceCollector,
+    Tally,
+    registry_of,
+)
 from kvcr.guard.pools import create_group_file, plan_group, reclaim_orphans
 from kvcr.guard.procs import (
     PeerCred,
@@ -67,6 +74,8 @@ class ServiceConfig:
     idle_timeout_s: float = 5.0  # a connection that sends nothing for this long is closed
     allowed_gid: int | None = None  # besides the service's uid: members of this group
     huge_page_size: int | None = None  # --huge-pages: the pools' page size (hugetlbfs)
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # --metrics-port: serve Prometheus metrics (0: any port)
 
 
 class GuardService:
@@ -76,6 +85,7 @@ class GuardService:
         self.groups = Groups(config.guard_count, config.pool_sizes, config.compatibility_digest)
         self.layout = plan_group(config.pool_sizes)
         self.guards: list[Guard] = []
+        self.tally = Tally.of(config.guard_count)
         self._lock_fd: int | None = None
         self._listener: trio.socket.SocketType | None = None
         self._socket_id: tuple[int, int] | None = None
@@ -94,6 +104,8 @@ class GuardService:
                     supervisor.start_soon(self._supervise, guard)
                     supervisor.start_soon(guard.follow)
                 supervisor.start_soon(self._accept, supervisor)
+                if self.config.metrics_port is not None:
+                    await self._start_metrics(supervisor)
                 self.log.info(
                     "service_ready",
                     socket=str(self.config.socket_path),
@@ -104,6 +116,36 @@ class GuardService:
                 task_status.started(self)
         finally:
             self._stop()
+
+    async def _start_metrics(self, nursery: trio.Nursery) -> None:
+        """Serve the metrics endpoint beside the service; if it cannot bind, or fails later,
+        the service logs why and goes on lending pools without it."""
+        cfg = self.config
+        assert cfg.metrics_port is not None
+        collector = ServiceCollector(self.tally, self._readings)
+        endpoint = MetricsEndpoint(registry_of(collector), self.log)
+        where = f"--metrics-host {cfg.metrics_host} --metrics-port {cfg.metrics_port}"
+        try:
+            listener = await endpoint.bind(cfg.metrics_host, cfg.metrics_port)
+        except OSError as exc:
+            self.log.error("metrics_failed", reason=f"{where}: cannot listen: {exc}")
+            return
+        host, port = listener.socket.getsockname()[:2]
+        self.log.info("metrics_serving", url=f"http://{host}:{port}/metrics")
+
+        async def serve() -> None:
+            try:
+                await endpoint.serve(listener)
+            except Exception as exc:
+                self.log.error("metrics_failed", reason=f"{where}: {exc!r}")
+
+        nursery.start_soon(serve)
+
+    def _readings(self) -> list[GroupReading]:
+        return [
+            GroupReading(status, guard.serving_blocks())
+            for status, guard in zip(self._status(), self.guards)
+        ]
 
     async def _supervise(self, guard: Guard) -> None:
         try:
@@ -134,7 +176,9 @@ class GuardService:
             except OSError as exc:
                 raise ServiceStartError(f"--pool-dir {cfg.pool_dir}: {exc}") from None
             try:
-                self.guards.append(Guard(index, group_file, self.groups, self.log))
+                self.guards.append(
+                    Guard(index, group_file, self.groups, self.log, self.tally.groups[index])
+                )
             except BaseException:
                 group_file.close(unlink=True)
                 raise
@@ -331,6 +375,8 @@ class GuardService:
         denied = access_refusal(cred, os.geteuid(), self.config.allowed_gid)
         if denied is not None:
             refusal = Refusal("permission_denied", f"{message.TYPE} request: {denied}")
+            if isinstance(message, wire.ClaimRequest):
+                self.tally.refusals[refusal.code] += 1
             await self._refuse(conn, log, refusal, fds)
             return
         if isinstance(message, wire.ClaimRequest):
@@ -361,7 +407,9 @@ class GuardService:
         try:
             pidfd, cred = claimant_pidfd(conn, fds)
         except ValueError as exc:
-            await self._refuse(conn, log, Refusal("bad_request", f"{what}: {exc}"), [])
+            bad = Refusal("bad_request", f"{what}: {exc}")
+            self.tally.refusals[bad.code] += 1
+            await self._refuse(conn, log, bad, [])
             return
         try:
             if 0 <= request.guard_index < len(self.guards):
@@ -372,6 +420,7 @@ class GuardService:
             else:
                 refusal = self.groups.check_claim(request, cred.pid)  # names the indices
             if refusal is not None:
+                self.tally.refusals[refusal.code] += 1
                 await self._refuse(conn, log, refusal, [])
         finally:
             if pidfd >= 0:
@@ -430,6 +479,7 @@ class GuardService:
             self.groups.end_lease(guard.index, lease.number, "release")
             raise
         guard.watch(lease, pidfd)
+        guard.tally.claims_granted += 1
         log.info("lease_granted", group=guard.index, lease=lease.number, control_port=port)
         return None
 

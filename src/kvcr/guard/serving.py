@@ -124,6 +124,10 @@ class GroupServer:
         self.ended = trio.Event()
         self.failure: str | None = None  # why the runtime stopped on its own, if it did
 
+    def served_blocks(self) -> int:
+        """Blocks this server's runtime has written to peers."""
+        return int(self.runtime.gauges().get("source_written_blocks", 0))
+
     @classmethod
     def prepare(
         cls,

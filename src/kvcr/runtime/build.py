@@ -29,6 +29,7 @@ from kvcr.config import (
     KVCRBackendConfigs,
     KVCRConfig,
     RemoteFWDramOptions,
+    for_instance,
 )
 from kvcr.policy import G3LRUPolicy, KVCachePolicy, LRUPolicy
 from kvcr.runtime.engine_calls import EngineCalls, EngineSide
@@ -132,6 +133,11 @@ def build(
     stands in for ``bindings.framework_control`` when there are no bindings."""
     from kvcr.runtime.runtime import Runtime
 
+    # KVCR() has expanded them already (the guard claim needs the files); this covers every
+    # other builder, so that no runtime opens a file named after an unexpanded template.
+    backend_configs = for_instance(
+        config, backend_configs, journal.group if journal is not None else None
+    )
     policy = resolve_policy(bindings, backend_configs)
     local = backend_configs.local_dram
     memory = MemoryMap(

@@ -18,11 +18,14 @@ from kvcr.types import BlockKey, MemoryRef
 @attrs.frozen
 class Hinted:
     """Keys a request's router hint sends to a peer: its endpoint, the request (whose hint
-    is marked failed if the pull gets nothing) and the keys it covers."""
+    is marked failed if the pull gets nothing), the keys it covers, and the hint's mode and
+    no_retain (contract section 6)."""
 
     endpoint: str
     request: object
     keys: frozenset[BlockKey]
+    mode: str = "copy"
+    no_retain: bool = False
 
 
 @attrs.frozen
@@ -73,9 +76,17 @@ class Align:
 
 
 @attrs.frozen
+class Confirm:
+    """The engine has taken every result of an operation whose hint said ``move``: its
+    peer may now drop the copies it wrote."""
+
+    handle: int
+
+
+@attrs.frozen
 class Close:
     pass
 
 
 OpCommand = Deposit | Deliver | Fetch
-Command = Deposit | Deliver | Fetch | Release | Abort | Connect | Align | Close
+Command = Deposit | Deliver | Fetch | Release | Abort | Connect | Align | Confirm | Close

@@ -72,6 +72,8 @@ class RemotePart:
 
     keys: frozenset[BlockKey] = frozenset()
     request: object = None  # the request whose hint sent them there
+    mode: str = "copy"  # "move": the peer drops its copies once the engine has the results
+    no_retain: bool = False  # a fetch drops the blocks from local G2 at their release
     failed: bool = False  # the pull got nothing: the request's hint is reported failed
     moved: int = 0  # keys the peer wrote
 

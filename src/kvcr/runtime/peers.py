@@ -147,6 +147,7 @@ class Peers(Part):
             "pulls_in_flight": self.pulls_in_flight(),
             "source_jobs": len(source.jobs),
             "source_stalled": int(source.stalled),
+            "source_written_blocks": source.written_blocks,
             **self.plane.counts(),
         }
 
@@ -227,6 +228,7 @@ class Peers(Part):
             m.Over: self._on_over,
             m.Probe: self.source.on_probe,
             m.ProbeAck: self._on_probe_ack,
+            m.Confirm: self.source.on_confirm,
         }
         handler = handlers.get(type(message))
         if handler is None:
@@ -314,7 +316,12 @@ class Peers(Part):
     # -- destination: pulls ------------------------------------------------------------------
 
     async def pull(
-        self, op: Operation, endpoint: str, keys: list[BlockKey], dst: list[tuple[int, int]]
+        self,
+        op: Operation,
+        endpoint: str,
+        keys: list[BlockKey],
+        dst: list[tuple[int, int]],
+        move: bool = False,
     ) -> RemotePull:
         """Send one pull once the link is ready; the caller waits on ``answered``. The pull
         is registered in ``op.xfers`` until the source can no longer write."""
@@ -339,10 +346,19 @@ class Peers(Part):
                 cast("list[bytes]", keys),  # keys are bytes on the wire; Pull only reads them
                 len(self.memory.block_sizes),
                 m.Pull.pack(dst),
+                move,
             ),
         )
         self.plane.wake()
         return pull
+
+    def confirm(self, endpoint: str, req: int, indices: list[int]) -> None:
+        """Tell the source of a ``move`` pull which of its keys this side has for good."""
+        if self.plane.endpoint is None:
+            return
+        message = m.Confirm(self.plane.endpoint, self.plane.incarnation, req, indices)
+        self.plane.send(endpoint, message)
+        self.plane.wake()
 
     async def _ready(self, op: Operation, endpoint: str) -> Link:
         """The link to ``endpoint`` once the incarnation there acknowledged our greeting.

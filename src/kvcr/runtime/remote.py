@@ -10,6 +10,7 @@ quarantined) until the source confirms it is over.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from kvcr.runtime.build import Context, Shared
 
 _STORE = (PlacementAction.COPY_TO, CacheTier.LOCAL_G2)
+MAX_UNCONFIRMED = 4096  # move pulls awaiting the engine's poll; older ones are never confirmed
 
 
 class Remote(Part):
@@ -49,6 +51,35 @@ class Remote(Part):
         self.peers = peers
         self.local = local
         self.index = index
+        # Operation -> (endpoint, pull request, indices that succeeded), for a move pull
+        # whose source may drop its copies once the engine has taken the results.
+        self._unconfirmed: OrderedDict[int, tuple[str, int, list[int]]] = OrderedDict()
+
+    def confirm(self, handle: int) -> None:
+        """The engine has taken every result of operation ``handle``: a move pull's source
+        may now drop what it wrote."""
+        entry = self._unconfirmed.pop(handle, None)
+        if entry is not None:
+            self.peers.confirm(*entry)
+
+    def _await_confirm(
+        self,
+        op: Operation,
+        endpoint: str,
+        pull: RemotePull | None,
+        keys: Sequence[BlockKey],
+        answers: Mapping[BlockKey, OpEntryResult],
+    ) -> None:
+        if op.remote.mode != "move" or pull is None:
+            return
+        indices = [i for i in pull.written if (a := answers.get(keys[i])) is not None and a.success]
+        if not indices:
+            return
+        self._unconfirmed[op.handle] = (endpoint, pull.req, indices)
+        if len(self._unconfirmed) > MAX_UNCONFIRMED:
+            # The engine never polled that one: its source keeps its copies (the safe side).
+            old, _ = self._unconfirmed.popitem(last=False)
+            self.log.info("move_unconfirmed", op=old, reason="results never polled")
 
     async def _pull(
         self,
@@ -66,7 +97,7 @@ class Remote(Part):
         op.remote.failed = True
         for attempt in (1, 2):
             try:
-                pull = await self.peers.pull(op, endpoint, keys, dst)
+                pull = await self.peers.pull(op, endpoint, keys, dst, op.remote.mode == "move")
             except TransportError as exc:
                 op.failure = str(exc)
                 return None
@@ -105,6 +136,7 @@ class Remote(Part):
         answers = {k: SUCCESS if k in written else FAILED for k in keys if k in pending}
         op.remote.moved += sum(1 for a in answers.values() if a.success)
         self._partial(op, answers)
+        self._await_confirm(op, endpoint, pull, keys, answers)
         self.outbox.answer(op, answers)
 
     @staticmethod
@@ -175,5 +207,8 @@ class Remote(Part):
         written = {keys[i] for i in pull.written}
         answers = local.commit_fetched(op, blocks, written, CacheTier.REMOTE_G2)
         op.remote.moved += sum(1 for a in answers.values() if a.success)
+        if op.remote.no_retain:
+            local.drop_at_release(a.release_handle for a in answers.values() if a.success)
         self._partial(op, answers)
+        self._await_confirm(op, endpoint, pull, keys, answers)
         self.outbox.answer(op, answers)

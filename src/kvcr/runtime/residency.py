@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import trio
@@ -110,6 +110,7 @@ class Residency(Part):
         self.abandon_s = context.config.abandon_timeout_ms / 1000
         watermark_percent = context.config.capacity_low_watermark_percent
         self.handles: dict[int, BlockKey] = {}
+        self._drop_at_release: set[int] = set()  # no_retain fetches' release handles
         # Hooks the policy leaves as KVCachePolicy's defaults are not called: the default is
         # applied directly, which saves a BlockMeta and a call per key on the hot paths.
         custom = custom_hooks(policy)
@@ -226,6 +227,33 @@ class Residency(Part):
         block = self.index.get(key) if key is not None else None
         if block is not None:
             self.unclaim(block)
+        if handle in self._drop_at_release:
+            self._drop_at_release.discard(handle)
+            if key is not None:
+                self.drop_unclaimed([key], "no_retain")
+
+    def drop_at_release(self, handles: Iterable[ReleaseHandle | None]) -> None:
+        """A ``no_retain`` fetch: its blocks leave local G2 when the engine releases them
+        (unless another claim holds them then: that reader keeps them until it is done)."""
+        self._drop_at_release.update(h for h in handles if h is not None)
+
+    def drop_unclaimed(self, keys: Iterable[BlockKey], why: str) -> list[BlockKey]:
+        """Remove the READY, unclaimed blocks of ``keys`` from local G2 (a claimed one is
+        being read: it stays); journal and inventory follow. Returns the keys removed."""
+        removed: list[BlockKey] = []
+        for key in keys:
+            block = self.index.get(key)
+            if block is None or block.state is not BlockState.READY or block.claims:
+                continue
+            self.index.remove(block)
+            if self._wants("on_remove"):
+                self._policy("on_remove", None, self.meta(block, _NONE))
+            removed.append(key)
+        if removed:
+            self.index.flush_journal()
+            self.log.debug("blocks_dropped", why=why, keys=len(removed))
+            self.callbacks.inventory(InventoryEvent(tuple(removed), CacheTier.LOCAL_G2, True))
+        return removed
 
     # -- room ------------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
+from kvcr.config import InstanceG3Options
 from kvcr.g3.files import G3Files
 from kvcr.runtime.audit import audit
 from kvcr.runtime.commands import (
@@ -36,6 +37,7 @@ from kvcr.runtime.commands import (
     Align,
     Close,
     Command,
+    Confirm,
     Connect,
     Deliver,
     Deposit,
@@ -228,9 +230,15 @@ class Runtime(Part):
 
         opts = self.context.g3
         assert opts is not None
+        templates = opts.templates if isinstance(opts, InstanceG3Options) else opts.paths
 
         def open_files() -> tuple[G3Files, NixlFileTransport]:
-            files = G3Files(opts.paths, opts.capacity_bytes_per_file, self.memory.block_sizes[0])
+            files = G3Files(
+                opts.paths,
+                opts.capacity_bytes_per_file,
+                self.memory.block_sizes[0],
+                templates=templates,
+            )
             try:
                 transport = NixlFileTransport(
                     f"{self.config.nixl_agent_name}-g3", opts.backend, dict(opts.backend_options)
@@ -244,6 +252,11 @@ class Runtime(Part):
             return files, transport
 
         files, transport = await self._blocking(open_files)
+        self.log.info(
+            "g3_paths",
+            templates=[str(t) for t in templates],
+            files=[str(f.path) for f in files.files],
+        )
         transfers = Transfers(transport, self.log, fine, busy=True)
         root.start_soon(transfers.run)
         self.g3 = G3Tier(
@@ -351,6 +364,9 @@ class Runtime(Part):
         elif isinstance(command, Connect):
             if self.peers is not None:
                 self.peers.link(command.endpoint)
+        elif isinstance(command, Confirm):
+            if self.remote is not None:
+                self.remote.confirm(command.handle)
         elif isinstance(command, Align):
             if self.local is not None:
                 self.local.align(command.keys, command.use_current_time, trio.current_time())
@@ -398,7 +414,9 @@ class Runtime(Part):
             held = set(resident).union(g3_keys)
             remote_keys = [k for k in op.keys if k not in held and k in remote.keys]
         if remote_keys and remote is not None:
-            op.remote = RemotePart(frozenset(remote_keys), remote.request)
+            op.remote = RemotePart(
+                frozenset(remote_keys), remote.request, remote.mode, remote.no_retain
+            )
         missing = set(op.keys).difference(resident, remote_keys, g3_keys)
         if missing:
             op.failure = f"{op.kind}: {len(missing)} keys are neither local nor covered by a hint"

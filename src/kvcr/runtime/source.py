@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 
 SEEN_PULLS = 4096  # requests remembered per destination incarnation
 SEEN_INCARNATIONS = 64  # destination incarnations remembered (least recently pulling goes)
+MAX_MOVES = 4096  # move pulls written and awaiting Confirm; older ones keep their copies
 
 
 @attrs.define(eq=False)
@@ -140,6 +141,10 @@ class Source(Part):
         self.agents_by_incarnation: dict[int, str] = {}  # destinations we have metadata of
         self.jobs: dict[tuple[int, int], SourceJob] = {}  # (dst incarnation, req) -> job
         self.seen = SeenPulls()
+        self.written_blocks = 0  # keys written to destinations, for the guard's metrics
+        # (destination incarnation, req) -> (its endpoint, the pull's keys written from
+        # local G2 by index): a move pull's copies, dropped when the destination confirms.
+        self.moves: OrderedDict[tuple[int, int], tuple[str, dict[int, BlockKey]]] = OrderedDict()
         self.closing = False
         self._settled = trio.Event()  # set whenever a job leaves "pending"
 
@@ -366,6 +371,9 @@ class Source(Part):
             moved = (len(dst), nbytes) if xfer.ok else (0, 0)
             self.telemetry.record("source_write", now - job.clock.start, result, *moved)
             if xfer.ok:
+                self.written_blocks += len(indices)
+                if msg.move:
+                    self._await_confirm(job, indices)
                 self._end_job(job, None)
             else:
                 self._write_failed(job, len(indices), f"the write failed: {xfer.error}")
@@ -382,6 +390,34 @@ class Source(Part):
         if job.state in WRITING:  # (track ends a transfer that is already over at once)
             self.plane.spawn(self._watch_write, job)
         self.plane.wake()
+
+    def _await_confirm(self, job: SourceJob, indices: list[int]) -> None:
+        """A move pull was written: remember which of its keys came from local G2 (engine
+        memory is the engine's to keep or drop) until the destination confirms them."""
+        from_g2 = {block.key for block in job.claims}
+        keys = job.keys
+        ours = {i: keys[i] for i in indices if keys[i] in from_g2}
+        if not ours:
+            return
+        self.moves[(job.msg.incarnation, job.msg.req)] = (job.msg.sender, ours)
+        if len(self.moves) > MAX_MOVES:
+            (_, req), _ = self.moves.popitem(last=False)
+            self.log.info("move_kept", req=req, reason="no confirmation among the last moves")
+
+    def on_confirm(self, msg: m.Confirm) -> None:
+        """The destination of a move pull has the keys for good: drop our copies (those not
+        being read right now; a reader's claim keeps its block)."""
+        entry = self.moves.get((msg.incarnation, msg.req))
+        if entry is None or entry[0] != msg.sender:
+            # Not a move we wrote (this process restarted since, or a stranger): keep all.
+            self.plane.drop("unknown_confirm", f"{msg.sender} req {msg.req}")
+            return
+        del self.moves[(msg.incarnation, msg.req)]
+        written = entry[1]
+        keys = [written[i] for i in msg.indices if i in written]
+        if self.local is not None and keys:
+            dropped = self.local.drop_unclaimed(keys, "moved")
+            self.log.info("move_confirmed", req=msg.req, keys=len(keys), dropped=len(dropped))
 
     def _write_failed(self, job: SourceJob, keys: int, reason: str) -> None:
         """Say why in the log and to the destination (its op_failed names the reason)."""

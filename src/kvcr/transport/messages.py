@@ -112,6 +112,9 @@ class Pull:
     keys: list[bytes] = attrs.field(validator=_check_keys)
     pools: int = attrs.field(validator=_check_pools)
     dst: bytes
+    # A router's "move": the destination sends Confirm once its engine has the keys, and
+    # the source may then drop its copies. Left off the wire when False (older peers).
+    move: bool = False
 
     def __attrs_post_init__(self) -> None:
         expected = 16 * self.pools * len(self.keys)
@@ -198,14 +201,30 @@ class ProbeAck:
     state: str = attrs.field(validator=attrs.validators.in_(PROBE_STATES))
 
 
-Message = Hello | HelloAck | Pull | Written | Over | Probe | ProbeAck
+@attrs.frozen
+class Confirm:
+    """After a ``move`` pull: the destination's engine has taken the results of these of
+    the pull's keys (indices into its keys); the source may drop its copies of them."""
+
+    TYPE: ClassVar[str] = "confirm"
+    sender: str = attrs.field(validator=_check_endpoint)
+    incarnation: int = attrs.field(validator=_check_u64)
+    req: int = attrs.field(validator=_check_u64)
+    indices: list[int]
+
+    def __attrs_post_init__(self) -> None:
+        if any(not 0 <= i < MAX_KEYS for i in self.indices):
+            raise ValueError(f"indices must be in [0, {MAX_KEYS})")
+
+
+Message = Hello | HelloAck | Pull | Written | Over | Probe | ProbeAck | Confirm
 TYPES: dict[str, type] = {
-    cls.TYPE: cls for cls in (Hello, HelloAck, Pull, Written, Over, Probe, ProbeAck)
+    cls.TYPE: cls for cls in (Hello, HelloAck, Pull, Written, Over, Probe, ProbeAck, Confirm)
 }
 
 
 def _strict_converter() -> cattrs.Converter:
-    converter = make_converter(forbid_extra_keys=True)
+    converter = make_converter(forbid_extra_keys=True, omit_if_default=True)
     strict_scalars(converter, (int, bytes, str, bool))
     for item in (bytes, int):
         # Lists of plain values in one pass (a pull carries hundreds of keys).

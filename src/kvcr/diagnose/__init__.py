@@ -1,0 +1,7 @@
+"""``kvcr diagnose``: the minimum diagnostic record of a machine that runs kvcr, in one
+command (versions and import paths, NIXL backends, UCX transports and devices, a NIXL
+self-test, the control port, the guard service). See :mod:`kvcr.diagnose.cli`."""
+
+from kvcr.diagnose.cli import add_arguments, run
+
+__all__ = ["add_arguments", "run"]
