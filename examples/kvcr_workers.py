@@ -1,11 +1,12 @@
 """What the multi-worker examples share: an engine stand-in, kvcr workers in child processes,
 and a guard service to run them over.
 
-A real deployment has an inference engine in each worker process; here a numpy array is
-the engine's KV memory, and each block's bytes are derived from its key, so that any copy
-of a block can be checked against the original by checksum. A :class:`Worker` is a child
-process running one KVCR instance with a real NIXL agent and a real ZMQ control channel on
-127.0.0.1; the parent drives it with commands and can SIGKILL it.
+A real deployment has an inference engine in each worker process; here a numpy array over
+a shared mapping (4 KiB pages, as engines hand kvcr host memory) is the engine's KV memory,
+and each block's bytes are derived from its key, so that any copy of a block can be checked
+against the original by checksum. A :class:`Worker` is a child process running one KVCR
+instance with a real NIXL agent and a real ZMQ control channel on 127.0.0.1; the parent
+drives it with commands and can SIGKILL it.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("UCX_MEM_EVENTS", "no")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
+import mmap
 import multiprocessing
 import socket
 import subprocess
 import sys
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,14 +41,26 @@ from kvcr.config import (
 from kvcr.control_channels import ZmqPeerControlChannel
 from kvcr.errors import KVCRSocketError
 from kvcr.hints import fetch_hint
-from kvcr.telemetry import TRANSFER_BYTES_METRIC, InMemoryStats
+from kvcr.telemetry import (
+    DURATION_METRIC,
+    SCOPE_LOCAL_DELIVER,
+    SCOPE_LOCAL_FILL,
+    TRANSFER_BYTES_METRIC,
+    InMemoryStats,
+)
 from kvcr.types import MemoryRef, QueryStatus, RegionDescriptor
 
 DIGEST = "example-model/tp1/bf16"  # what every worker of a deployment presents to the guard
+# An engine calls poll_completed() once per scheduler step and sleeps (or runs the model) in
+# between; a loop that spun on it instead would hold the GIL that kvcr's runtime needs.
+ENGINE_STEP_S = 0.0005
 
 
-def wait_for(kv: KVCR, handle: int, nkeys: int, timeout_s: float = 10.0) -> dict:
-    """Poll until all ``nkeys`` entries of operation ``handle`` have arrived.
+def wait_for(
+    kv: KVCR, handle: int, nkeys: int, timeout_s: float = 10.0, step_s: float = ENGINE_STEP_S
+) -> dict:
+    """Poll until all ``nkeys`` entries of operation ``handle`` have arrived, once every
+    ``step_s`` (the engine's scheduler step).
 
     An engine calls ``poll_completed()`` from its own loop. One operation's entries may
     arrive over several polls, so collect them until every key is answered. (A real
@@ -61,8 +75,43 @@ def wait_for(kv: KVCR, handle: int, nkeys: int, timeout_s: float = 10.0) -> dict
                 entries.update(results)
         if time.monotonic() > deadline:
             raise TimeoutError(f"operation {handle}: {len(entries)} of {nkeys} entries arrived")
-        time.sleep(0.0005)
+        time.sleep(step_s)
     return entries
+
+
+def shared_pages(nbytes: int) -> np.ndarray:
+    """Host memory as engines give it to kvcr (vLLM's CPU pool, the guard's /dev/shm pools): a
+    shared mapping, so 4 KiB pages (transparent huge pages do not back shared memory unless
+    ``shmem_enabled`` says so), every page faulted in now so that no transfer pays for it.
+    The mapping lives as long as the array."""
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+    buf = np.frombuffer(mapping, dtype=np.uint8)
+    buf.fill(0)
+    return buf
+
+
+_THP_FIELDS = ("AnonHugePages:", "ShmemPmdMapped:", "FilePmdMapped:")
+
+
+def page_kib(address: int = 0, file_suffix: str = "") -> int:
+    """The largest page size (KiB) backing the mapping of this process that holds
+    ``address`` (or, with ``file_suffix``, maps a file whose name ends so), from
+    /proc/self/smaps: a transfer's copy cost depends on it. 0 if none matches."""
+    largest, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            field, *rest = line.split()
+            if "-" in field and not field.endswith(":"):  # a mapping's header line
+                low, high = (int(x, 16) for x in field.split("-"))
+                if file_suffix:
+                    inside = len(rest) > 4 and rest[-1].endswith(file_suffix)
+                else:
+                    inside = low <= address < high
+            elif inside and field == "KernelPageSize:":
+                largest = max(largest, int(rest[0]))
+            elif inside and field in _THP_FIELDS and int(rest[0]):
+                largest = max(largest, 2048)  # transparent huge pages back part of it
+    return largest
 
 
 def free_port() -> int:
@@ -84,10 +133,28 @@ class IntKeys:
 # -- the guard service ------------------------------------------------------------------------
 
 
+def wait_for_guard(
+    client: KVCRClient, alive: Callable[[], bool] = lambda: True, timeout_s: float = 30
+) -> bool:
+    """Whether the guard service answers ``client`` within ``timeout_s`` (and while
+    ``alive()``): its socket appears once every pool group exists."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.status()
+            return True
+        except KVCRSocketError:
+            if not alive() or time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+
+
 class Guard:
     """``kvcr-guard`` in a child process, with ``groups`` pool groups of ``size_gb`` each."""
 
-    def __init__(self, directory: Path, groups: int, size_gb: float) -> None:
+    def __init__(self, directory: Path, groups: int, size_gb: float, wait: bool = True) -> None:
+        """``wait=False`` returns once the service is started (workers can start meanwhile:
+        they wait for it); :meth:`ready` waits for it."""
         self.socket_path = str(directory / "guard.sock")
         (directory / "pools").mkdir()
         self.proc = subprocess.Popen(
@@ -99,15 +166,14 @@ class Guard:
             ]
         )
         self.client = KVCRClient(self.socket_path)
-        deadline = time.monotonic() + 30
-        while True:  # the socket appears once every pool group exists
-            try:
-                self.client.status()
-                return
-            except KVCRSocketError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("kvcr-guard did not start") from None
-                time.sleep(0.05)
+        if wait:
+            self.ready()
+
+    def ready(self) -> Guard:
+        """Wait until the service answers (once every pool group exists)."""
+        if not wait_for_guard(self.client, lambda: self.proc.poll() is None):
+            raise RuntimeError("kvcr-guard did not start")
+        return self
 
     def states(self) -> list[str]:
         return [group.state for group in self.client.status()]
@@ -148,8 +214,16 @@ class Worker:
         pool_blocks: int = 0,
         guard: tuple[str, int] | None = None,
         port: int | None = None,
+        wait: bool = True,
     ) -> None:
-        context = multiprocessing.get_context("spawn")
+        """``wait=False`` returns once the child is started: several workers then import
+        and start up side by side, and :meth:`ready` waits for one."""
+        # Workers fork from one server process that imported kvcr, numpy, ZMQ and NIXL
+        # once: those imports are most of a fresh interpreter's start-up, paid once, not
+        # per worker (a replacement starts at once). The server runs no NIXL agent and no
+        # kvcr thread (this process may), so forking it is safe.
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(_PRELOAD)
         self.name = name
         self.port = port or free_port()  # a replacement over the same guard group reuses it
         self.conn, theirs = context.Pipe()
@@ -164,7 +238,22 @@ class Worker:
         self.proc = context.Process(target=_serve, args=(theirs, spec), daemon=True)
         self.proc.start()
         theirs.close()
-        self.endpoint: str = self("endpoint")
+        self._endpoint: str | None = None
+        if wait:
+            self.ready()
+
+    def ready(self) -> Worker:
+        """Wait until the child's KVCR is up (imports, pools, NIXL agent, control channel)."""
+        if self._endpoint is None:
+            self._endpoint = self("endpoint")
+        return self
+
+    @property
+    def endpoint(self) -> str:
+        """The worker's peer control endpoint (its ZMQ listener), where hints point."""
+        endpoint = self.ready()._endpoint
+        assert endpoint is not None
+        return endpoint
 
     def __call__(self, command: str, *args: Any, timeout_s: float = 60) -> Any:
         self.conn.send((command, *args))
@@ -186,6 +275,11 @@ class Worker:
         self.proc.join(30)
 
 
+# What the fork server imports: installed packages only, as its sys.path is the
+# interpreter's (without this directory), and a module it cannot import it skips.
+_PRELOAD = ["numpy", "zmq", "trio", "kvcr", "kvcr.control_channels", "kvcr.transport.nixl"]
+
+
 def block_bytes(key: int, size: int) -> np.ndarray:
     """The bytes of block ``key``: the same wherever they are computed."""
     return np.random.default_rng(key).integers(0, 256, size, dtype=np.uint8)
@@ -194,12 +288,14 @@ def block_bytes(key: int, size: int) -> np.ndarray:
 def _serve(conn: Any, spec: dict) -> None:
     """The child: one engine stand-in and one KVCR, obeying the parent's commands."""
     name, block = spec["name"], spec["block_size"]
-    engine = np.zeros(block * spec["engine_blocks"], dtype=np.uint8)
-    pool = np.zeros(block * max(spec["pool_blocks"], 1), dtype=np.uint8)
+    engine = shared_pages(block * spec["engine_blocks"])
+    pool = shared_pages(block * max(spec["pool_blocks"], 1))
     keys = IntKeys()
     channel = ZmqPeerControlChannel("127.0.0.1", spec["port"], "127.0.0.1")
     stats = InMemoryStats()
     guard = spec["guard"]
+    if guard and not wait_for_guard(KVCRClient(guard[0])):  # started beside this worker
+        raise RuntimeError(f"{name}: the guard service at {guard[0]} does not answer")
     started = time.perf_counter()
     kv = KVCR(
         KVCRConfig(name, [("", block)], enable_telemetry=True),
@@ -231,20 +327,55 @@ def _serve(conn: Any, spec: dict) -> None:
             for i, h in enumerate(hashes)
         }
 
+    applied: dict[tuple[str, ...], int] = {}  # samples of each (scope, result) taken
+
+    def runtime_seconds(*scopes: str) -> float:
+        """kvcr's own duration of the operation that just ended, by its runtime's clock:
+        from when the runtime took the command until it queued the results, so without the
+        engine's wait for its next poll. (An operation with local and remote keys records
+        the same duration under both scopes.)"""
+        # The runtime records an operation just after it queues the results: a poll can
+        # return them first, so wait for the sample.
+        deadline = time.monotonic() + 5
+        while True:
+            kv.get_stats()  # applies the runtime's samples here, on the engine's thread
+            fresh = {
+                labels: values[applied.get(labels, 0) :]
+                for (metric, labels), values in stats.histograms.items()
+                if metric == DURATION_METRIC and labels[0] in scopes
+            }
+            if any(fresh.values()):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"kvcr recorded no operation under {scopes}")
+            time.sleep(0.0001)
+        for labels, values in fresh.items():
+            applied[labels] = applied.get(labels, 0) + len(values)
+        return float(max(max(values) for values in fresh.values() if values))
+
     def compute_and_deposit(hashes: Sequence[int]) -> dict:
         """The engine computed these blocks (engine blocks 0..): offer them to kvcr.
-        Returns their checksums and the seconds the deposit took."""
+        Returns their checksums, the seconds from the deposit call until the poll that
+        returned its last entry, and kvcr's runtime's seconds for it."""
         for i, h in enumerate(hashes):
             view(i)[:] = block_bytes(h, block)
         started = time.perf_counter()
         entries = wait_for(kv, kv.deposit(refs(hashes)), len(hashes))
         seconds = time.perf_counter() - started
-        assert all(e.success for e in entries.values()), "deposit failed"
-        return {"crc": {h: zlib.crc32(view(i)) for i, h in enumerate(hashes)}, "seconds": seconds}
+        failed = {keys.decode(k): e.status.name for k, e in entries.items() if not e.success}
+        if failed:
+            raise RuntimeError(f"deposit: {len(failed)} of {len(hashes)} blocks failed: {failed}")
+        return {
+            "crc": {h: zlib.crc32(view(i)) for i, h in enumerate(hashes)},
+            "seconds": seconds,
+            "runtime_seconds": runtime_seconds(SCOPE_LOCAL_FILL),
+        }
 
     def deliver(hashes: Sequence[int], source: str | None, request: str) -> dict:
         """Place these blocks into engine blocks 0..; with ``source``, the router's hint
-        names the worker that has them. Returns statuses, checksums and the duration."""
+        names the worker that has them. Returns statuses, checksums, the seconds from the
+        deliver call until the poll that returned its last entry, and kvcr's runtime's
+        seconds for it."""
         engine[:] = 0
         if source is not None:
             kv.submit_hint(fetch_hint(source, hashes), request_id=request)
@@ -256,6 +387,7 @@ def _serve(conn: Any, spec: dict) -> None:
             "status": {h: entries[keys.encode(h)].status.name for h in hashes},
             "crc": {h: zlib.crc32(view(i)) for i, h in enumerate(hashes)},
             "seconds": seconds,
+            "runtime_seconds": runtime_seconds(SCOPE_LOCAL_DELIVER, "remote_deliver"),
         }
 
     def query(hashes: Sequence[int]) -> list[str]:
@@ -269,8 +401,15 @@ def _serve(conn: Any, spec: dict) -> None:
             if metric == TRANSFER_BYTES_METRIC
         }
 
+    def pages() -> dict[str, int]:
+        """KiB per page of the engine's memory and of kvcr's pool (the guard's group file,
+        or the pool this worker gave kvcr)."""
+        pool_pages = page_kib(file_suffix=".pool") if guard else page_kib(pool.ctypes.data)
+        return {"engine": page_kib(engine.ctypes.data), "pool": pool_pages}
+
     commands = {
         "endpoint": lambda: channel.endpoint,
+        "pages": pages,
         "compute_and_deposit": compute_and_deposit,
         "deliver": deliver,
         "query": query,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -57,8 +58,24 @@ def test_guard_recovery_serves_a_killed_workers_blocks_and_starts_its_replacemen
     assert "every copy has A's checksums" in out
 
 
-def test_the_demo_verifies_every_block_it_moves_and_says_ok() -> None:
+def test_the_demo_verifies_every_block_and_measures_each_step_beside_raw_nixl() -> None:
     out = run_example("demo.py", "--blocks", "32")
-    assert "96 of 96 blocks verified against A's checksums" in out
+    # Per pull step (from A, from A's guard, from A2): 2 one-block requests, 3 passes.
+    assert "294 of 294 blocks verified against A's checksums" in out
     assert "A2 started warm with 32 of 32 blocks" in out
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("step "))
+    columns = re.split(r"\s{2,}", lines[header].strip())
+    assert columns[3:6] == ["kvcr GB/s", "raw NIXL GB/s", "ratio"]
+    rows = [re.split(r"\s{2,}", line.strip()) for line in lines[header + 2 : header + 6]]
+    assert [row[0] for row in rows] == [
+        "A: engine -> kvcr pool (deposit)",
+        "B <- A (peer to peer)",
+        "B <- A's guard (A dead)",
+        "B <- A2 (A's replacement)",
+    ]
+    for row in rows:
+        assert row[1:3] == ["64", "32"]  # the two steady passes: 64 blocks, 32 MiB
+        kvcr, raw, ratio = map(float, row[3:6])
+        assert kvcr > 0 and raw > 0 and ratio == pytest.approx(kvcr / raw, rel=0.05)
     assert out.rstrip().endswith("demo: OK")
