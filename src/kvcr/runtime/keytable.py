@@ -4,7 +4,7 @@ A block index of a million records cannot afford a dict: each entry costs a key 
 int object and ~40 bytes of table (~150 B a key), and building it at a warm start makes a
 million objects (~0.7 s). Here a key lives as a row of ``rows`` (zero-padded to the table's
 width, at most :data:`MAX_WIDTH` bytes) with its length in ``lens``, both indexed by record,
-and an open-addressing table of int32 (linear probing, at most half full of live entries)
+and an open-addressing table of int32 (linear probing, at most a quarter full of live entries)
 maps a hash of the row to the record. A key longer than ``MAX_WIDTH`` is filed under its
 BLAKE2b digest (length code :data:`DIGEST`), the key itself kept aside by record: engines'
 keys are content hashes of 8-32 bytes, so that path is for odd callers only.
@@ -121,7 +121,9 @@ class KeyTable:
         self._lens_bytes = bytearray(capacity)
         self.lens = np.frombuffer(self._lens_bytes, np.uint8)
         self._long: dict[int, bytes] = {}  # record -> key, for keys filed under a digest
-        self._size = 1 << max(4, (2 * capacity - 1).bit_length())
+        # At most a quarter full of live keys: short probe runs, and room for tombstones
+        # between rebuilds (one per ~2.5 million insertions under churn at a million).
+        self._size = 1 << max(4, (4 * capacity - 1).bit_length())
         self._lay = _Layout(capacity, _width_for(min(width, MAX_WIDTH)), self._size)
         self._count = 0
         self._used = 0  # live entries and tombstones
@@ -310,7 +312,9 @@ class KeyTable:
         n = len(keys)
         if not n:
             return np.empty(0, dtype=np.intp)
-        longest = max((n for n in map(len, keys) if n <= MAX_WIDTH), default=0)
+        longest = max(map(len, keys))
+        if longest > MAX_WIDTH:  # digests are 32 bytes: only the others can widen the rows
+            longest = max((n for n in map(len, keys) if n <= MAX_WIDTH), default=0)
         if longest > self._lay.width:
             self._rebuild(_width_for(longest))
         lay = self._lay
@@ -345,27 +349,30 @@ class KeyTable:
         self.lens[recs] = codes
         hashes = _hash_rows(words, codes)
         if self._used:
-            holders = self._place(lay, recs, hashes, k)
+            holders, used = self._place(lay, recs, hashes, k)
         else:
             holders = self._place_sorted(lay, recs, hashes)
-        filed = int((holders < 0).sum())
-        self._count += filed
-        self._used += filed
+            used = int((holders < 0).sum())
+        self._count += int((holders < 0).sum())
+        self._used += used
         return holders
 
     def _place(
         self, lay: _Layout, recs: np.ndarray, hashes: np.ndarray, span: int | None = None
-    ) -> np.ndarray:
-        """Put each record into the first empty entry of its probe sequence, all at once, a
-        window of entries a round; a record whose key is met on the way is not placed
-        (returned: the record met, else -1). ``span``: how many words of a row its key spans
-        at most (None: all)."""
+    ) -> tuple[np.ndarray, int]:
+        """Put each record into the first free entry (a tombstone or empty) of its probe
+        sequence, all at once, a window of entries a round, once the sequence up to its first
+        empty entry holds no record of its key; a record whose key is met on the way is not
+        placed. Returns (the record met, else -1; how many empty entries were used): reusing
+        tombstones keeps a table under steady churn from filling up with them, so it is
+        rarely rebuilt. ``span``: how many words of a row its key spans at most (None: all)."""
         n = len(recs)
         holders = np.full(n, -1, dtype=np.intp)
         todo = np.arange(n)
-        pos = (hashes & np.uint64(lay.mask)).astype(np.intp)
-        tag = (hashes >> _U64_32).astype(np.uint32)
-        slots = lay.slots
+        home = (hashes & np.uint64(lay.mask)).astype(np.intp)
+        pos, tag = home.copy(), (hashes >> _U64_32).astype(np.uint32)
+        free = np.full(n, -1, dtype=np.intp)  # the first tombstone met in earlier windows
+        slots, used = lay.slots, 0
         while len(todo):
             at = (pos[:, None] + _STEPS) & lay.mask
             held = slots[at]
@@ -375,21 +382,31 @@ class KeyTable:
             holders[todo[i]] = holder
             done = np.zeros(len(todo), dtype=bool)
             done[i] = True
-            empty = held == EMPTY
-            has = empty.any(axis=1) & ~done
-            # Several may want one empty entry: each writes, one write stays, it won.
-            k = np.flatnonzero(has)
-            target = at[k, empty[k].argmax(axis=1)]
+            open_ = held < 0  # EMPTY or TOMB
+            first = np.where(open_.any(axis=1), at[np.arange(len(todo)), open_.argmax(axis=1)], -1)
+            free = np.where(free < 0, first, free)
+            # Only a window with an empty entry ends the search for the key.
+            ends = (held == EMPTY).any(axis=1) & ~done
+            k = np.flatnonzero(ends)
+            target = free[k]
+            # A tombstone found in an earlier window may have been taken since.
+            held_now = slots[target]
+            taken = k[held_now >= 0]
+            k, target, was_empty = k[held_now < 0], target[held_now < 0], held_now[held_now < 0]
+            # Several may want one entry: each writes, one write stays, it won.
             slots[target] = mine[k]
             won = slots[target] == mine[k]
             lay.tags[target[won]] = tag[k[won]]
+            used += int((was_empty[won] == EMPTY).sum())
             done[k[won]] = True
-            # Losers read the same window again (its winner may hold their key); a full
-            # window without their key sends them on to the next.
-            step = ~has & ~done
+            # A loser starts over from its home: the winner may hold its key, behind it.
+            lost = np.concatenate([k[~won], taken])
+            pos[lost], free[lost] = home[todo[lost]], -1
+            step = ~ends & ~done
             pos = np.where(step, (pos + WINDOW) & lay.mask, pos)
-            todo, pos, tag = todo[~done], pos[~done], tag[~done]
-        return holders
+            keep = ~done
+            todo, pos, tag, free = todo[keep], pos[keep], tag[keep], free[keep]
+        return holders, used
 
     def _place_sorted(self, lay: _Layout, recs: np.ndarray, hashes: np.ndarray) -> np.ndarray:
         """:meth:`_place` into an empty table, in one pass: sorted by home entry, each goes
@@ -403,7 +420,7 @@ class KeyTable:
             r, prev = recs[order[twins]], recs[order[twins - 1]]
             same = (self.lens[r] == self.lens[prev]) & (lay.words[r] == lay.words[prev]).all(1)
             if same.any():  # a caller's duplicate (rare): one probe sequence at a time
-                return self._place(lay, recs, hashes)
+                return self._place(lay, recs, hashes)[0]
         homes = (ordered >> _U64_32).astype(np.intp)
         steps = np.arange(len(order))
         at = np.maximum.accumulate(homes - steps) + steps
@@ -416,7 +433,7 @@ class KeyTable:
         lay.tags[at[inside]] = ordered[inside].astype(np.uint32)
         holders = np.full(len(recs), -1, dtype=np.intp)
         wrapped = order[~inside]  # past the end of the table: round to its start
-        holders[wrapped] = self._place(lay, recs[wrapped], hashes[wrapped])
+        holders[wrapped] = self._place(lay, recs[wrapped], hashes[wrapped])[0]
         return holders
 
     def remove(self, rec: int) -> None:
@@ -451,8 +468,9 @@ class KeyTable:
             if lost.any():
                 raise KeyError(f"key table: record {int(mine[lost][0])} has no key")
             todo, pos = todo[going], (pos[going] + WINDOW) & lay.mask
-        for rec in recs.tolist():
-            self._long.pop(rec, None)
+        if self._long:
+            for rec in recs.tolist():
+                self._long.pop(rec, None)
         self._count -= len(recs)
 
     def replace(self, old: int, new: int) -> None:
