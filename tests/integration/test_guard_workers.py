@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from test_guard_metrics import group_value, metrics_url, scrape
 
 from guard_world import BLOCK, GuardedWorker
 from kvcr.control_channels import ZmqPeerControlChannel
@@ -34,7 +35,11 @@ class SendOnly:
 
 @pytest.fixture
 def guard(tmp_path: Path) -> Iterator[GuardProcess]:
-    service = GuardProcess(tmp_path, pool_sizes_gb="0.0078125")  # 8 MiB: 128 blocks
+    service = GuardProcess(
+        tmp_path,
+        pool_sizes_gb="0.0078125",  # 8 MiB: 128 blocks
+        extra=("--idle-timeout-s", "0.5", "--metrics-port", "0"),
+    )
     yield service
     assert service.stop() == 0, service.log()
 
@@ -200,6 +205,9 @@ def test_the_guard_serves_a_dead_workers_blocks_until_a_replacement_takes_them_b
         assert result == {**{key(k): "SUCCESS" for k in range(6)}, key(7): "FAILED"}
         for k in range(6):
             assert peer.engine.checksum(10 + k) == sums[k][1]
+        served = scrape(metrics_url(guard))
+        assert group_value(served, "kvcr_guard_served_blocks_total", 0) == 6
+        assert group_value(served, "kvcr_guard_takeovers_total", 0) == 1
 
         heir = SourceWorker("a2", SIZES, port, guard=(guard.socket_path, 0, guard.digest))
         try:
