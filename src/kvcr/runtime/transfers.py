@@ -36,6 +36,11 @@ from kvcr.runtime.timer import FineTimer, TrioSleep, poll_interval, sleeper
 from kvcr.transport.base import Transport, XferPoller, XferState
 
 BUSY_YIELD_S = 0.001  # the longest a busy poller polls without letting other tasks run
+# ... and then how long it sleeps. A checkpoint alone releases the GIL only for the instant
+# of a zero-timeout epoll; retaking it every millisecond defeats CPython's forced switch
+# (each retake counts as a switch), so an engine thread waiting for the GIL could wait for
+# seconds. A real sleep this short lets it in.
+BUSY_PAUSE_S = 0.0001
 # With only local copies in flight, on a transport that says when they end, the poller
 # waits for that word; this is the poll it still makes, in case a word was lost.
 NOTIFIED_POLL_S = 0.01
@@ -157,7 +162,10 @@ class Transfers(Generic[_T]):
         while self._in_flight and time.perf_counter() < turn:
             for xfer in list(self._in_flight):
                 self._check(xfer)
-        await trio.lowlevel.checkpoint()
+        if self._timer is not None:
+            await self._timer.sleep(BUSY_PAUSE_S)
+        else:
+            await trio.lowlevel.checkpoint()
 
     async def wait_idle(self) -> None:
         await self._idle.wait()
