@@ -7,12 +7,10 @@ import errno
 import os
 import stat
 from collections import Counter
-from typing import Any
 
 from kvcr.diagnose.result import CheckResult, Status
 from kvcr.errors import KVCRServiceError, KVCRSocketError
 from kvcr.guard.client import KVCRClient
-from kvcr.guard.protocol import GroupStatus
 
 NAME = "guard"
 STATUS_TIMEOUT_S = 3.0
@@ -40,20 +38,6 @@ def _os_error(exc: BaseException) -> OSError | None:
             return seen
         seen = seen.__cause__
     return None
-
-
-def group_record(g: GroupStatus) -> dict[str, Any]:
-    """One group, with the keys ``kvcr-guard status --json`` uses."""
-    return {
-        "group": g.index,
-        "state": g.state,
-        "holder_pid": g.holder_pid,
-        "control_port": g.control_port,
-        "journal_blocks": g.journal_blocks,
-        "journal_fill_percent": g.journal_fill_percent,
-        "recovery_disabled": g.recovery_disabled,
-        "layouts": [list(x) for x in g.layouts],
-    }
 
 
 def _not_a_guard(path: str, exc: KVCRServiceError) -> CheckResult:
@@ -123,7 +107,7 @@ def check(path: str | None) -> CheckResult:
     )
     # Rendered as `kvcr-guard status` renders it; imported here because it brings the
     # whole service module along, which only this check needs.
-    from kvcr.guard.cli import status_table
+    from kvcr.guard.cli import group_record, status_table
 
     return CheckResult(
         NAME,

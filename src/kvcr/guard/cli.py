@@ -209,6 +209,20 @@ def serve(argv: list[str]) -> int:
     return 0
 
 
+def group_record(g: GroupStatus) -> dict[str, Any]:
+    """One group as ``kvcr-guard status --json`` shows it."""
+    return {
+        "group": g.index,
+        "state": g.state,
+        "holder_pid": g.holder_pid,
+        "control_port": g.control_port,
+        "journal_blocks": g.journal_blocks,
+        "journal_fill_percent": g.journal_fill_percent,
+        "recovery_disabled": g.recovery_disabled,
+        "layouts": [list(x) for x in g.layouts],
+    }
+
+
 def status_table(groups: list[GroupStatus]) -> str:
     rows = [("group", "state", "holder", "control port", "journal", "layouts")]
     for g in groups:
@@ -244,19 +258,7 @@ def status(argv: list[str]) -> int:
         print(f"kvcr-guard status: {exc}", file=sys.stderr)
         return 1
     if args.json:
-        doc = [
-            {
-                "group": g.index,
-                "state": g.state,
-                "holder_pid": g.holder_pid,
-                "control_port": g.control_port,
-                "journal_blocks": g.journal_blocks,
-                "journal_fill_percent": g.journal_fill_percent,
-                "recovery_disabled": g.recovery_disabled,
-                "layouts": [list(x) for x in g.layouts],
-            }
-            for g in groups
-        ]
+        doc = [group_record(g) for g in groups]
         print(json.dumps({"socket_path": args.socket_path, "groups": doc}))
     else:
         print(status_table(groups))

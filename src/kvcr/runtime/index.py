@@ -484,8 +484,8 @@ class BlockIndex:
         return Found(recs, flags)
 
     def claim_ready(self, found: Found, now: float) -> Claim:
-        """:meth:`claim_many` for the READY records of a fresh :meth:`lookup` (distinct
-        keys), with numpy: no view per block."""
+        """Claim (an access at ``now``) the READY records of a fresh :meth:`lookup`
+        (distinct keys) at once, with numpy: no view per block."""
         at = found.recs[found.ready]
         np.frombuffer(self.claims, np.uint32)[at] += 1
         self.queue.drop_many(at)
@@ -511,35 +511,6 @@ class BlockIndex:
         """The slots of records in every pool: n x pools (the first column: ``recs``)."""
         columns = [recs] + [np.frombuffer(c, np.uint32)[recs] for c in self.other_slots]
         return np.stack(columns, axis=1).astype(np.intp)
-
-    def claim_many(self, blocks: Sequence[Block], now: float) -> None:
-        """:meth:`claim` (an access at ``now``) of blocks in the index, at once."""
-        claims, drop, recency, counts = (
-            self.claims,
-            self.queue.drop,
-            self.recency,
-            self.access_counts,
-        )
-        for block in blocks:
-            rec = block[0]
-            claims[rec] += 1
-            drop(rec)
-            recency[rec] = now
-            if counts is not None:
-                counts[rec] += 1
-
-    def unclaim_many(self, blocks: Sequence[Block]) -> list[Block]:
-        """:meth:`unclaim` for each block; those whose last claim went (the caller queues
-        them again)."""
-        claims, queued, holds = self.claims, self.queue.queued, self.holds
-        back = []
-        for block in blocks:
-            rec = block[0]
-            if holds(block) and claims[rec]:
-                claims[rec] -= 1
-                if not claims[rec] and not queued[rec]:
-                    back.append(block)
-        return back
 
     @staticmethod
     def records(blocks: Sequence[Block]) -> np.ndarray:

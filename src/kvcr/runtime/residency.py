@@ -160,14 +160,8 @@ class Residency(Part):
             return None
         return [self.score(block) for block in blocks]
 
-    def unclaim_all(self, blocks: Sequence[Block]) -> None:
-        """:meth:`unclaim` for many blocks at once."""
-        back = self.index.unclaim_many(blocks)
-        if back:
-            self.index.requeue(self.index.records(back), self.scores(back))
-
     def unclaim_records(self, claim: Claim) -> None:
-        """:meth:`unclaim_all` for records claimed at once (``BlockIndex.claim_ready``)."""
+        """:meth:`unclaim` for records claimed at once (``BlockIndex.claim_ready``)."""
         back = self.index.unclaim_records(claim)
         if len(back):
             blocks = self.index.views(back) if self.scores_by_policy else []

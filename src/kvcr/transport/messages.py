@@ -146,6 +146,11 @@ def _u64s(data: bytes) -> array.array:
     return values
 
 
+def _check_indices(_msg: object, _attribute: object, indices: list[int]) -> None:
+    if any(not 0 <= i < MAX_KEYS for i in indices):
+        raise ValueError(f"indices must be in [0, {MAX_KEYS})")
+
+
 @attrs.frozen
 class Written:
     """The NIXL notification of a finished write: which of the pull's keys were written."""
@@ -153,11 +158,7 @@ class Written:
     TYPE: ClassVar[str] = "written"
     incarnation: int = attrs.field(validator=_check_u64)
     req: int = attrs.field(validator=_check_u64)
-    indices: list[int]
-
-    def __attrs_post_init__(self) -> None:
-        if any(not 0 <= i < MAX_KEYS for i in self.indices):
-            raise ValueError(f"indices must be in [0, {MAX_KEYS})")
+    indices: list[int] = attrs.field(validator=_check_indices)
 
 
 # Over reasons that say the pull was never acted on, so asking again (after greeting the
@@ -210,11 +211,7 @@ class Confirm:
     sender: str = attrs.field(validator=_check_endpoint)
     incarnation: int = attrs.field(validator=_check_u64)
     req: int = attrs.field(validator=_check_u64)
-    indices: list[int]
-
-    def __attrs_post_init__(self) -> None:
-        if any(not 0 <= i < MAX_KEYS for i in self.indices):
-            raise ValueError(f"indices must be in [0, {MAX_KEYS})")
+    indices: list[int] = attrs.field(validator=_check_indices)
 
 
 Message = Hello | HelloAck | Pull | Written | Over | Probe | ProbeAck | Confirm
