@@ -199,3 +199,116 @@ def test_any_descriptor_pairs_few_or_many_are_copied_byte_exact(pairs) -> None:
             )
     finally:
         c.close()
+
+
+def strided_memory(count: int, size: int, pitch: int) -> tuple[np.ndarray, np.ndarray]:
+    """A pool of ``count`` elements and a region whose elements are ``pitch`` apart (an
+    engine's layer-interleaved layout): the gaps between them must never be written."""
+    pool = np.zeros(count * size, dtype=np.uint8)
+    region = np.random.default_rng(count).integers(0, 255, count * pitch, dtype=np.uint8)
+    return pool, region
+
+
+def test_many_blocks_of_one_segment_are_copied_as_rows_by_the_threads_byte_exact() -> None:
+    # 64 x 16 KiB = 1 MiB, above INLINE_BYTES: numpy rows copies on the two copy threads,
+    # gathered from a strided region into scattered pool slots, and back.
+    size, pitch, count = 16 * 1024, 20 * 1024, 64
+    pool, region = strided_memory(count, size, pitch)
+    c = Copier("rows", threads=2)
+    c.open(
+        [
+            Segment("pool", pool.ctypes.data, size, count),
+            Segment("r", region.ctypes.data, size, count, pitch),
+        ]
+    )
+    try:
+        slots = np.random.default_rng(1).permutation(count)
+        deposit = c.post(slots.tolist(), [count + i for i in range(count)], "deposit op 9")
+        assert deposit.state is XferState.PROC and wait(deposit) is XferState.DONE
+        for i, slot in enumerate(slots):
+            assert (
+                pool[slot * size : (slot + 1) * size].tobytes()
+                == region[i * pitch : i * pitch + size].tobytes()
+            )
+
+        gaps = [region[i * pitch + size : (i + 1) * pitch].tobytes() for i in range(count)]
+        back = np.random.default_rng(2).permutation(count)
+        deliver = c.post([count + i for i in back], slots.tolist(), "deliver op 10")
+        assert wait(deliver) is XferState.DONE
+        for i, slot in zip(back, slots):
+            assert (
+                region[i * pitch : i * pitch + size].tobytes()
+                == pool[slot * size : (slot + 1) * size].tobytes()
+            )
+        assert [region[i * pitch + size : (i + 1) * pitch].tobytes() for i in range(count)] == gaps
+    finally:
+        c.close()
+
+
+def test_a_rows_copy_being_copied_ends_only_when_its_thread_is_done(monkeypatch) -> None:
+    size, count = 64 * 1024, 32  # 2 MiB: two rows chunks, one per thread
+    pool, region = strided_memory(count, size, size)
+    inside, let_go = threading.Barrier(3), threading.Event()
+    real = copier_module._copy_rows
+
+    def slow_rows(*args: np.ndarray) -> None:
+        inside.wait(10)
+        let_go.wait(10)
+        real(*args)
+
+    monkeypatch.setattr(copier_module, "_copy_rows", slow_rows)
+    c = Copier("rows-cancel", threads=2)
+    c.open(
+        [
+            Segment("pool", pool.ctypes.data, size, count),
+            Segment("r", region.ctypes.data, size, count),
+        ]
+    )
+    try:
+        job = c.post(list(range(count)), [count + i for i in range(count)], "deliver op 11")
+        inside.wait(10)
+        with pytest.raises(
+            TransportError, match="deliver op 11: a copy thread is still copying it"
+        ):
+            c.release(job)
+        assert job.state is XferState.PROC
+        let_go.set()
+        assert wait(job) is XferState.ERR
+        assert pool.tobytes() == region.tobytes()  # both running chunks finished their copy
+    finally:
+        c.close()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    pairs=st.lists(
+        st.tuples(st.integers(0, 127), st.integers(0, 127)),
+        min_size=17,
+        max_size=96,
+        unique_by=lambda p: p[0],
+    )
+)
+def test_blocks_from_several_segments_are_copied_byte_exact_as_runs(pairs) -> None:
+    # Destinations 0..63 in one segment, 64..127 in another: not one segment's rows.
+    a = np.zeros(1024 * 64, dtype=np.uint8)
+    b = np.zeros(1024 * 64, dtype=np.uint8)
+    src = np.random.default_rng(len(pairs)).integers(0, 255, 1024 * 128, dtype=np.uint8)
+    c = Copier("mixed", threads=2)
+    c.open(
+        [
+            Segment("a", a.ctypes.data, 1024, 64),
+            Segment("b", b.ctypes.data, 1024, 64),
+            Segment("src", src.ctypes.data, 1024, 128),
+        ]
+    )
+    try:
+        job = c.post([d for d, _ in pairs], [128 + s for _, s in pairs], "deposit op 12")
+        assert wait(job) is XferState.DONE
+        both = np.concatenate((a, b))
+        for d, s in pairs:
+            assert (
+                both[d * 1024 : (d + 1) * 1024].tobytes()
+                == src[s * 1024 : (s + 1) * 1024].tobytes()
+            )
+    finally:
+        c.close()

@@ -90,15 +90,25 @@ class Descriptors:
             raise IndexError(f"descriptor {desc} is not one of {self.count}")
         return self._segments[bisect.bisect_right(self._starts, desc) - 1].element_size
 
+    @property
+    def segments(self) -> list[Segment]:
+        return list(self._segments)
+
     def lookup(self, descs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Addresses and sizes (int64) of ``descs``, each checked in range (IndexError
         naming the first that is not)."""
+        seg, elements = self.locate(descs)
+        addrs = self._addr_np[seg] + elements * self._pitch_np[seg]
+        return addrs, self._size_np[seg]
+
+    def locate(self, descs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The segment of each of ``descs`` and its element there (int64), each checked in
+        range (IndexError naming the first that is not)."""
         if len(descs) and (descs.min() < 0 or descs.max() >= self.count):
             bad = descs[(descs < 0) | (descs >= self.count)][0]
             raise IndexError(f"descriptor {int(bad)} is not one of {self.count}")
         seg = np.searchsorted(self._starts_np, descs, side="right") - 1
-        addrs = self._addr_np[seg] + (descs - self._starts_np[seg]) * self._pitch_np[seg]
-        return addrs, self._size_np[seg]
+        return seg, descs - self._starts_np[seg]
 
 
 class XferPoller(Protocol):
