@@ -13,7 +13,7 @@ another engine thread's turn to end.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 from kvcr.bindings import KVCRBindings
 from kvcr.config import KVCRBackendConfigs, KVCRConfig, KVCRGuardConfig, TelemetryStats
@@ -139,13 +139,7 @@ class KVCR:
                 f"{what}: blocks must be a mapping of key -> [MemoryRef, ...], got "
                 f"{type(blocks).__name__}"
             )
-        resolved: dict[BlockKey, tuple[int, ...]] = {}
-        for position, (key, refs) in enumerate(blocks.items()):
-            if not isinstance(key, bytes):
-                raise ValueError(f"{what}: key #{position} must be bytes, got {type(key).__name__}")
-            # A checked engine key: bytes are what a BlockKey is.
-            resolved[cast("BlockKey", key)] = self._memory.resolve_key(what, position, key, refs)
-        return resolved
+        return self._memory.resolve_blocks(what, blocks)
 
     def _open(self, keys: list[BlockKey]) -> int:
         """A new operation's handle, its pending set registered before the runtime hears
@@ -271,12 +265,11 @@ class KVCR:
     ) -> OpHandle:
         self._check_open("deliver")
         destinations = self._resolve("deliver", blocks)
-        refs = tuple(ref for key in destinations for ref in blocks[key])
         remote = self._remote(request_id, destinations)
         keys = list(destinations)
         handle = self._open(keys)
         self._follow_move(handle, keys, remote)
-        self._commands.put(Deliver(handle, keys, destinations, refs, remote))
+        self._commands.put(Deliver(handle, keys, destinations, remote))
         return handle
 
     def _follow_move(self, handle: int, keys: list[BlockKey], remote: Hinted | None) -> None:

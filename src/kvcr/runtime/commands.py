@@ -12,7 +12,7 @@ from typing import Any
 
 import attrs
 
-from kvcr.types import BlockKey, MemoryRef
+from kvcr.types import BlockKey
 
 
 @attrs.frozen
@@ -41,8 +41,7 @@ class Deposit:
 class Deliver:
     handle: int
     keys: list[BlockKey]
-    destinations: Mapping[BlockKey, tuple[int, ...]]
-    refs: tuple[MemoryRef, ...]  # the engine's memory, named in a TransferError
+    destinations: Mapping[BlockKey, tuple[int, ...]]  # key -> descriptor per pool
     remote: Hinted | None
 
 

@@ -250,6 +250,15 @@ class Found:
     def __init__(self, recs: np.ndarray, flags: np.ndarray) -> None:
         self.recs, self.flags = recs, flags
 
+    def held(self) -> np.ndarray:
+        """Which keys have a record."""
+        held: np.ndarray = self.recs >= 0
+        return held
+
+    def subset(self, mask: np.ndarray) -> Found:
+        """The lookup of the keys that ``mask`` selects."""
+        return Found(self.recs[mask], self.flags[mask])
+
     @property
     def ready(self) -> np.ndarray:
         """Which keys have a READY record in the index."""

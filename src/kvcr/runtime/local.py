@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from kvcr.runtime.index import Block, BlockState, Claim
+from kvcr.runtime.index import Block, BlockState, Claim, Found
 from kvcr.runtime.ops import DROPPED, FAILED, SUCCESS, Operation
 from kvcr.runtime.residency import Residency, fill_over, wait_filled
 from kvcr.runtime.transfers import Xfer
@@ -220,11 +220,15 @@ class LocalG2(Residency):
         op: Operation,
         destinations: Mapping[BlockKey, tuple[int, ...]],
         keys: Sequence[BlockKey],
+        found: Found | None = None,
     ) -> None:
+        """Copy ``keys`` (in local G2) into the engine's ``destinations``; ``found``: their
+        lookup, when nothing ran since it was made."""
         # One lookup, then claims, sources and answers by arrays: no view per block.
         pending, index = op.pending, self.index
-        keys = [k for k in keys if k in pending]
-        found = index.lookup(keys)
+        if found is None or not pending.issuperset(keys):
+            keys = [k for k in keys if k in pending]
+            found = index.lookup(keys)
         if found.filling.any():
             await self.wait_fills([k for k, f in zip(keys, found.filling.tolist()) if f])
             keys = [k for k in keys if k in pending]
@@ -256,15 +260,15 @@ class LocalG2(Residency):
             return
         await self._follow(op, xfer, claimed)
 
-    def _settle_deliver(self, op: Operation, keys: list[BlockKey], claim: Claim, ok: bool) -> None:
+    def _settle_deliver(
+        self, op: Operation, keys: Sequence[BlockKey], claim: Claim, ok: bool
+    ) -> None:
         self.unclaim_records(claim)
-        pending = op.pending
-        answers = dict.fromkeys([k for k in keys if k in pending], SUCCESS if ok else FAILED)
-        if ok:
-            op.moved += len(answers)
-        else:
+        if not ok:
             op.failure = op.failure or "deliver: the transfer from local G2 failed"
-        self.outbox.answer(op, answers)
+        answered = self.outbox.answer_all(op, keys, SUCCESS if ok else FAILED)
+        if ok:
+            op.moved += answered
 
     # -- fetch -----------------------------------------------------------------------------
 

@@ -10,12 +10,14 @@ Descriptor numbering: pools first, in ``pool_layouts`` order (slot ``s`` of pool
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import bisect
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, cast
 
 import numpy as np
 
 from kvcr.transport.base import Descriptors, Segment
-from kvcr.types import MemoryRef, PoolBlockLayouts, RegionDescriptor
+from kvcr.types import BlockKey, MemoryRef, PoolBlockLayouts, RegionDescriptor
 
 
 class MemoryMap:
@@ -53,6 +55,14 @@ class MemoryMap:
             )
             self.regions[region.label] = (region, base)
             base += region.count
+        # For the one-pool fast path of resolve_blocks: regions whose elements fit the pool.
+        one = self.block_sizes[0] if self._pool_count == 1 else -1
+        self._fitting = {
+            label: (region.count, first)
+            for label, (region, first) in self.regions.items()
+            if region.size == one
+        }
+        self._region_at = [(first, label) for label, (_, first) in self.regions.items()]
         self.descriptor_count = base
         self.bytes_per_key = sum(self.block_sizes)
         self.descriptors = Descriptors(self.segments)
@@ -66,6 +76,54 @@ class MemoryMap:
         return MemoryRef(
             end_point_name=self.agent_name, label=self.pool_names[pool], element_index=slot
         )
+
+    def resolve_blocks(
+        self, what: str, blocks: Mapping[Any, object]
+    ) -> dict[BlockKey, tuple[int, ...]]:
+        """Descriptor indices of each key's engine refs (one per pool), or ValueError naming
+        the first bad key or ref (as :meth:`resolve_key` does)."""
+        if self._pool_count == 1:
+            resolved = self._resolve_one_pool(blocks)
+            if resolved is not None:
+                return resolved
+        out: dict[BlockKey, tuple[int, ...]] = {}
+        for position, (key, refs) in enumerate(blocks.items()):
+            if not isinstance(key, bytes):
+                raise ValueError(f"{what}: key #{position} must be bytes, got {type(key).__name__}")
+            out[BlockKey(key)] = self.resolve_key(what, position, key, refs)
+        return out
+
+    def _resolve_one_pool(
+        self, blocks: Mapping[Any, object]
+    ) -> dict[BlockKey, tuple[int, ...]] | None:
+        """:meth:`resolve_blocks` for one pool, in one loop on the engine's thread (a
+        thousand keys a call): None at the first thing not plainly right, for the slow
+        path to name."""
+        agent, fitting = self.agent_name, self._fitting
+        out: dict[bytes, tuple[int, ...]] = {}
+        for key, refs in blocks.items():
+            if type(key) is not bytes or type(refs) not in (list, tuple) or len(refs) != 1:  # type: ignore[arg-type]
+                return None
+            ref = refs[0]  # type: ignore[index]
+            if type(ref) is not MemoryRef or ref.end_point_name != agent:
+                return None
+            region = fitting.get(ref.label)
+            index = ref.element_index
+            if region is None or type(index) is not int or not 0 <= index < region[0]:
+                return None
+            out[key] = (region[1] + index,)
+        return cast("dict[BlockKey, tuple[int, ...]]", out)  # keys checked: bytes
+
+    def refs_of(self, descs: Iterable[int]) -> tuple[MemoryRef, ...]:
+        """The engine refs of region descriptors (those :meth:`resolve_key` gave)."""
+        starts = [first for first, _ in self._region_at]
+        refs = []
+        for desc in descs:
+            first, label = self._region_at[bisect.bisect_right(starts, desc) - 1]
+            refs.append(
+                MemoryRef(end_point_name=self.agent_name, label=label, element_index=desc - first)
+            )
+        return tuple(refs)
 
     def resolve_key(self, what: str, position: int, key: object, refs: object) -> tuple[int, ...]:
         """Descriptor indices of a key's engine refs, one per pool, or ValueError naming the

@@ -13,7 +13,7 @@ engine learns of it first) and ``quiesced`` once every transfer of the operation
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -60,10 +60,16 @@ class Framework:
     transfer may still touch it."""
 
     sources: tuple[BlockKey, ...] = ()
-    destinations: tuple[MemoryRef, ...] = ()
+    # A deliver's destinations, worked out only if a TransferError names them: the engine's
+    # call does not build a thousand refs for an error that seldom comes.
+    destination_refs: Callable[[], tuple[MemoryRef, ...]] | None = None
+
+    @property
+    def destinations(self) -> tuple[MemoryRef, ...]:
+        return self.destination_refs() if self.destination_refs is not None else ()
 
     def __bool__(self) -> bool:
-        return bool(self.sources or self.destinations)
+        return bool(self.sources) or self.destination_refs is not None
 
 
 @attrs.define
@@ -145,22 +151,39 @@ class Outbox:
         self._open_ops.pop(handle, None)
         self.results.append((handle, {}))
 
+    def answer_all(self, op: Operation, keys: Sequence[BlockKey], entry: OpEntryResult) -> int:
+        """:meth:`answer` with one entry for all ``keys``, as most answers are; returns how
+        many were still pending (answered now)."""
+        pending = op.pending
+        live = keys if pending.issuperset(keys) else [k for k in keys if k in pending]
+        if live:
+            self._answered(op, dict.fromkeys(live, entry), entry)
+        return len(live)
+
     def answer(self, op: Operation, entries: Mapping[BlockKey, OpEntryResult]) -> None:
         fresh = {k: v for k, v in entries.items() if k in op.pending}
         if not fresh:
             return
-        ok, failed = op.ok_keys, []
         if len(set(map(id, fresh.values()))) == 1:  # one answer for all, as usual
-            entry = next(iter(fresh.values()))
+            self._answered(op, fresh, next(iter(fresh.values())))
+        else:
+            self._answered(op, fresh, None)
+
+    def _answered(
+        self, op: Operation, fresh: dict[BlockKey, OpEntryResult], entry: OpEntryResult | None
+    ) -> None:
+        """Send ``fresh`` (pending keys' answers; ``entry``: the one they all have)."""
+        ok, failed = op.ok_keys, []
+        if entry is not None:
             if entry.success:
                 ok.update(fresh)
             elif entry.status is OpEntryStatus.FAILED:
                 failed = list(fresh)
         else:
-            for key, entry in fresh.items():
-                if entry.success:
+            for key, each in fresh.items():
+                if each.success:
                     ok.add(key)
-                elif entry.status is OpEntryStatus.FAILED:
+                elif each.status is OpEntryStatus.FAILED:
                     failed.append(key)
         if failed and any(not keys.isdisjoint(failed) for keys in op.xfers.values()):
             self._report_uncertain(op)

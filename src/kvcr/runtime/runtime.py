@@ -60,7 +60,7 @@ from kvcr.runtime.residency import index_options
 from kvcr.runtime.source import Source
 from kvcr.runtime.transfers import Transfers, Xfer
 from kvcr.transport.base import Transport
-from kvcr.types import BlockKey, CacheTier, InventoryEvent
+from kvcr.types import BlockKey, CacheTier, InventoryEvent, MemoryRef
 
 if TYPE_CHECKING:
     from kvcr.runtime.build import Context, Journal, Shared
@@ -385,7 +385,7 @@ class Runtime(Part):
         if isinstance(command, Deposit):
             framework = Framework(sources=tuple(keys))
         elif isinstance(command, Deliver):
-            framework = Framework(destinations=command.refs)
+            framework = Framework(destination_refs=self._refs_of(command))
         op = Operation(handle, kind, keys, pending, Deadlines.starting(now, self.config), framework)
         body: Any
         if isinstance(command, Deposit):
@@ -401,10 +401,16 @@ class Runtime(Part):
         self.ops[handle] = op
         self._ops_nursery.start_soon(self._run_op, op, body)
 
-    async def _read(self, op: Operation, destinations: Any, remote: Hinted | None) -> None:
-        """deliver or fetch: keys in local G2 locally, keys the request's hint covers from
-        the hinted peer, both at once; other keys fail."""
-        resident = [k for k, held in zip(op.keys, self.index.present(op.keys)) if held]
+    def _refs_of(self, command: Deliver) -> Callable[[], tuple[MemoryRef, ...]]:
+        """The engine refs a deliver writes into, worked out when asked."""
+        destinations, memory = command.destinations, self.memory
+        return lambda: memory.refs_of(d for key in command.keys for d in destinations[key])
+
+    def _elsewhere(
+        self, op: Operation, resident: list[BlockKey], remote: Hinted | None
+    ) -> tuple[list[BlockKey], list[BlockKey]]:
+        """The keys of ``op`` not in local G2 that G3 holds, and those the hint covers; the
+        rest are answered failed."""
         g3_keys: list[BlockKey] = []
         if self.g3 is not None:
             in_g2 = set(resident)
@@ -413,18 +419,36 @@ class Runtime(Part):
         if remote is not None and self.remote is not None:
             held = set(resident).union(g3_keys)
             remote_keys = [k for k in op.keys if k not in held and k in remote.keys]
-        if remote_keys and remote is not None:
-            op.remote = RemotePart(
-                frozenset(remote_keys), remote.request, remote.mode, remote.no_retain
-            )
         missing = set(op.keys).difference(resident, remote_keys, g3_keys)
         if missing:
             op.failure = f"{op.kind}: {len(missing)} keys are neither local nor covered by a hint"
             self.outbox.answer(op, dict.fromkeys(missing, FAILED))
+        return g3_keys, remote_keys
+
+    async def _read(self, op: Operation, destinations: Any, remote: Hinted | None) -> None:
+        """deliver or fetch: keys in local G2 locally, keys the request's hint covers from
+        the hinted peer, both at once; other keys fail."""
+        found = self.index.lookup(op.keys)
+        in_g2 = found.held()
+        resident = op.keys  # all of them, usually: nothing else to work out
+        g3_keys: list[BlockKey] = []
+        remote_keys: list[BlockKey] = []
+        if not in_g2.all():
+            resident = [k for k, h in zip(op.keys, in_g2.tolist()) if h]
+            found = found.subset(in_g2)
+            g3_keys, remote_keys = self._elsewhere(op, resident, remote)
+        if remote_keys and remote is not None:
+            op.remote = RemotePart(
+                frozenset(remote_keys), remote.request, remote.mode, remote.no_retain
+            )
         parts = []
         if resident and self.local is not None:
             if op.kind == "deliver":
-                parts.append(self.local.deliver(op, destinations, resident))
+                # The lookup holds while nothing runs in between: when local G2 is the only
+                # part, awaited at once.
+                alone = not g3_keys and not remote_keys
+                looked_up = found if alone else None
+                parts.append(self.local.deliver(op, destinations, resident, looked_up))
             elif filling := self.local.fetch_ready(op, resident):
                 # The ready keys are claimed already: making room for the other parts
                 # cannot evict them.
