@@ -84,10 +84,13 @@ class LocalG2(Residency):
         waits: list[tuple[BlockKey, Block]] = []
         new: list[BlockKey] = []
         pending, index = op.pending, self.index
-        live = [k for k in keys if k in pending]
+        live = keys if pending.issuperset(keys) else [k for k in keys if k in pending]
         if not self._wants("decide_ingest"):
             # The usual case: every key not in the index is stored, nothing to ask per key.
-            new = [k for k, held in zip(live, index.present(live)) if not held]
+            held = index.lookup(live).held()
+            new = (
+                list(live) if not held.any() else [k for k, h in zip(live, held.tolist()) if not h]
+            )
             if len(new) == len(live):
                 live = []
             else:  # the others are in the index: the loop below sees to them
@@ -133,12 +136,11 @@ class LocalG2(Residency):
         no_evict: bool,
     ) -> None:
         bases = self.memory.pool_base
-        keys = [b.key for b in blocks]
+        keys = [b[2] for b in blocks]  # Block.key, without a property call per block
         op.filling.update(zip(keys, blocks))
-        if len(bases) == 1:  # one pool, the usual case: one descriptor a key
-            base = bases[0]
-            dst = [base + b.slots[0] for b in blocks]
-            src = [sources[k][0] for k in keys]
+        if len(bases) == 1:  # one pool, the usual case: one descriptor a key, the record's
+            dst = (self.index.records(blocks) + bases[0]).tolist()
+            src = [d for (d,) in map(sources.__getitem__, keys)]
         else:
             dst = [base + slot for b in blocks for base, slot in zip(bases, b.slots)]
             src = [d for k in keys for d in sources[k]]
@@ -146,13 +148,13 @@ class LocalG2(Residency):
 
         def settle(xfer: Xfer) -> None:
             self.outbox.xfer_terminal(op, xfer)
-            self._settle_fill(op, blocks, xfer.ok, no_evict)
+            self._settle_fill(op, blocks, xfer.ok, no_evict, keys)
 
         try:
             xfer = self.transfers.start(dst, src, f"deposit op {op.handle}", nbytes, settle)
         except TransportError as exc:
             op.failure = str(exc)
-            self._settle_fill(op, blocks, False, no_evict)
+            self._settle_fill(op, blocks, False, no_evict, keys)
             return
         await self._follow(op, xfer, keys)
 
@@ -165,21 +167,26 @@ class LocalG2(Residency):
             op.xfers[xfer] = frozenset(keys)
             await xfer.done.wait()
 
-    def _settle_fill(self, op: Operation, blocks: list[Block], ok: bool, no_evict: bool) -> None:
+    def _settle_fill(
+        self, op: Operation, blocks: list[Block], ok: bool, no_evict: bool, keys: list[BlockKey]
+    ) -> None:
+        """End the fill of ``blocks`` (of ``keys``, in order): commit what arrived for keys
+        still pending, drop the rest, and answer."""
         index, filling, live = self.index, op.filling, op.live
-        for block in blocks:
-            filling.pop(block.key, None)
+        for key in keys:
+            filling.pop(key, None)
         held = index.still_held(blocks)
         if len(held) < len(blocks):
             for block in blocks:
                 if not index.holds(block):  # withdrawn while the transfer ran
                     index.release_slots(block)
-        done = [b for b in held if live(b.key)] if ok else []
+        everything = len(held) == len(blocks) and op.pending.issuperset(keys)
+        done = (held if everything else [b for b in held if live(b[2])]) if ok else []
         index.commit_many(done, self.scores(done))
         if self._wants("on_ingest"):
             for block in done:
                 self.ingested(block, self.source_tier)
-        added = [b.key for b in done]
+        added = keys if ok and everything else [b[2] for b in done]
         answers: dict[BlockKey, OpEntryResult]
         if no_evict:
             answers = {b.key: self._stored(b, no_evict) for b in done}
