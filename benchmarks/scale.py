@@ -1,6 +1,6 @@
 """Scale: what grows with the number of resident blocks, at 10k, 100k and 1M (issue 19).
 
-Run: ``uv run python benchmarks/scale.py [--quick] [--json-only]`` (``--quick``: 10k and
+Run: ``uv run python benchmarks/scale.py [--quick] [--json-only] [--runs N]`` (``--quick``: 10k and
 100k only, ~1 min; the full run ~4 min and ~6 GiB of /dev/shm); ``nox -s scale``.
 
 Blocks are 4 KiB so that a million fit this machine: the bookkeeping is per block, not per
@@ -46,7 +46,7 @@ import time
 from typing import Any
 
 import common
-from common import Row, arguments, log, report
+from common import Row, arguments, log, repeated, report
 from local import all_success
 from recovery import Instance, guard_service, kill_a_holder
 
@@ -277,6 +277,8 @@ ROWS = (  # figure, what it is, unit
 
 def main(argv: list[str] | None = None) -> int:
     args = arguments(__doc__.split("\n\n")[0], "10k and 100k blocks only (~1 min)", argv)
+    if args.runs > 1:
+        return repeated(__file__, args, "kvcr at scale")
     counts = (10_000, 100_000) if args.quick else (10_000, 100_000, 1_000_000)
     started = time.monotonic()
     figures = {n: bench(n, args.json_only) for n in counts}
