@@ -190,7 +190,11 @@ def repeated(script: str, args: argparse.Namespace, title: str) -> int:
     for run in range(args.runs):
         log(f"run {run + 1}/{args.runs}", args.json_only)
         command = [sys.executable, script, "--json-only", *(["--quick"] if args.quick else [])]
-        out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+        done = subprocess.run(command, check=False, capture_output=True, text=True)
+        if done.returncode:  # its stderr says why: it would be lost with the captured output
+            sys.stderr.write(done.stderr)
+            raise SystemExit(f"{script}: run {run + 1} failed (exit {done.returncode})")
+        out = done.stdout
         runs.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
     merged: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for rows in runs:
