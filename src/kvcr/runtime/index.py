@@ -350,11 +350,6 @@ class BlockIndex:
     def __contains__(self, key: BlockKey) -> bool:
         return key in self.table
 
-    def present(self, keys: Sequence[BlockKey]) -> list[bool]:
-        """Whether each key has a record."""
-        held: list[bool] = (self.table.find_many(keys) >= 0).tolist()
-        return held
-
     def resident_keys(self) -> list[BlockKey]:
         """Every key with a record (for checks and tools: O(records))."""
         return [BlockKey(key) for key, _ in self.table.items()]
