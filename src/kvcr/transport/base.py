@@ -97,9 +97,11 @@ class Descriptors:
     def lookup(self, descs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Addresses and sizes (int64) of ``descs``, each checked in range (IndexError
         naming the first that is not)."""
-        seg, elements = self.locate(descs)
-        addrs = self._addr_np[seg] + elements * self._pitch_np[seg]
-        return addrs, self._size_np[seg]
+        return self.at(*self.locate(descs))
+
+    def at(self, seg: np.ndarray, elements: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Addresses and sizes of elements located by :meth:`locate`."""
+        return self._addr_np[seg] + elements * self._pitch_np[seg], self._size_np[seg]
 
     def locate(self, descs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The segment of each of ``descs`` and its element there (int64), each checked in

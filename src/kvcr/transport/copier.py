@@ -220,7 +220,9 @@ class Copier:
                 parts = self._parts(total)
                 cuts = zip(np.array_split(d_rows, parts), np.array_split(s_rows, parts))
                 return [Rows(dst_rows, dc, src_rows, sc) for dc, sc in cuts], total
-        runs, total = self._runs(d, s, what)
+        runs, total = self._runs(
+            d, s, self._descs.at(d_seg, d_rows), self._descs.at(s_seg, s_rows), what
+        )
         return [Runs(r) for r in _split(runs, total, self._parts(total))], total
 
     def _parts(self, total: int) -> int:
@@ -236,11 +238,18 @@ class Copier:
             f"{int(d[i])} ({d_size} bytes)"
         )
 
-    def _runs(self, d: np.ndarray, s: np.ndarray, what: str) -> tuple[list[Run], int]:
-        """The copy as address runs: adjacent descriptors on both sides merge into one run
+    def _runs(
+        self,
+        d: np.ndarray,
+        s: np.ndarray,
+        dst: tuple[np.ndarray, np.ndarray],
+        src: tuple[np.ndarray, np.ndarray],
+        what: str,
+    ) -> tuple[list[Run], int]:
+        """The copy of descriptors ``d`` from ``s`` (``dst``, ``src``: their addresses and
+        sizes) as address runs: adjacent descriptors on both sides merge into one run
         (computed with numpy: no Python step per descriptor)."""
-        d_addr, d_size = self._descs.lookup(d)
-        s_addr, s_size = self._descs.lookup(s)
+        (d_addr, d_size), (s_addr, s_size) = dst, src
         if (d_size != s_size).any():
             raise self._size_mismatch(what, d, s, int(np.flatnonzero(d_size != s_size)[0]))
         ends = d_addr + d_size
