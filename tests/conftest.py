@@ -4,11 +4,26 @@ These must be set before the first NIXL agent of the process starts, so they liv
 not in a fixture.
 """
 
+import compileall
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("UCX_MEM_EVENTS", "no")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+# The suite starts hundreds of Python processes (guards, workers, claimants) that import
+# kvcr and these helpers. Where PYTHONDONTWRITEBYTECODE is set (CI's image sets it) none of
+# them would write bytecode, so each compiled kvcr from source again (~0.15 s a process on
+# a 2-core machine). Compile it once here; the files are __pycache__, which git ignores.
+# (``uv sync`` compiles the dependencies: ``compile-bytecode`` in pyproject.toml.)
+if sys.flags.dont_write_bytecode:
+    _spec = importlib.util.find_spec("kvcr")
+    for _where in (_spec.submodule_search_locations or []) if _spec else []:
+        compileall.compile_dir(_where, quiet=2)
+    compileall.compile_dir(Path(__file__).parent, maxlevels=0, quiet=2)
 
 from hypothesis import settings
 
