@@ -527,10 +527,10 @@ class BlockIndex:
         theirs) that falls with the position, so that a prefix is evicted from its tail.
         Returns their records (queue them again with :meth:`requeue`)."""
         every = self.table.find_many(keys)
-        here = np.flatnonzero(every >= 0)
-        ready = np.frombuffer(self.flags, np.uint8)[every[here]] & _READY != 0
-        positions: np.ndarray = here[ready]
-        recs: np.ndarray = every[positions]
+        # A key without a record (-1) reads the last record's flags: masked out after.
+        ready = (self._flags_np.take(every) & _READY != 0) & (every >= 0)
+        positions: np.ndarray = np.flatnonzero(ready)
+        recs: np.ndarray = every.take(positions)
         if not len(recs):
             return recs
         recency = np.frombuffer(self.recency, np.float64)
@@ -544,12 +544,15 @@ class BlockIndex:
         """Queue the unclaimed ones of ``recs`` (distinct, in the index) by ``scores``
         (None: by their recency)."""
         values = (
-            np.frombuffer(self.recency, np.float64)[recs]
+            np.frombuffer(self.recency, np.float64).take(recs)
             if scores is None
             else np.asarray(scores, dtype=np.float64)
         )
-        free = np.frombuffer(self.claims, np.uint32)[recs] == 0
-        self.queue.push_many(recs[free], values[free])
+        free = np.frombuffer(self.claims, np.uint32).take(recs) == 0
+        if free.all():  # the usual case: nothing claimed, no masking
+            self.queue.push_many(recs, values)
+        else:
+            self.queue.push_many(recs[free], values[free])
 
     def views(self, recs: np.ndarray) -> list[Block]:
         """Views of records in the index."""

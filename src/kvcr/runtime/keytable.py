@@ -47,7 +47,7 @@ _FIN = 0x94D049BB133111EB
 _U64_SEED, _U64_MUL, _U64_FIN = np.uint64(_SEED), np.uint64(_MUL), np.uint64(_FIN)
 _U64_27, _U64_30, _U64_31, _U64_32 = (np.uint64(n) for n in (27, 30, 31, 32))
 _UNPACK = [struct.Struct(f"<{n}Q").unpack_from for n in range(MAX_WIDTH // 8 + 1)]
-WINDOW = 8  # entries a batch probe reads per key and round
+WINDOW = 8  # entries a batch probe reads per key and round (8 bools: one word, _any_in_rows)
 _STEPS = np.arange(WINDOW)
 
 
@@ -82,6 +82,13 @@ def _hash_rows(words: np.ndarray, codes: np.ndarray) -> np.ndarray:
     x *= _U64_FIN
     x ^= x >> _U64_31
     return x
+
+
+def _any_in_rows(mask: np.ndarray) -> np.ndarray:
+    """``mask.any(axis=1)`` for a fresh n x WINDOW bool array, read as one word a row
+    (numpy's reduction along a short axis costs several times more)."""
+    any_: np.ndarray = mask.view(np.uint64).ravel() != 0
+    return any_
 
 
 class _Layout:
@@ -234,12 +241,12 @@ class KeyTable:
         tag = (hashes >> _U64_32).astype(np.uint32)
         todo = np.arange(n)
         while len(todo) > PYTHON_TAIL:
-            at = (pos[:, None] + _STEPS) & lay.mask
-            held = lay.slots.take(at)
+            at = pos[:, None] + _STEPS  # wrapped by the takes
+            held = lay.slots.take(at, mode="wrap")
             i, rec = self._matches(lay, at, held, tag, words[todo], codes[todo])
             found[todo[i]] = rec
             # Keys whose window had neither their record nor an empty entry read on.
-            going = (held != EMPTY).all(axis=1)
+            going = ~_any_in_rows(held == EMPTY)
             going[i] = False
             todo, pos, tag = todo[going], (pos[going] + WINDOW) & lay.mask, tag[going]
         # The few in long probe sequences: a numpy round each would cost more than Python.
@@ -257,14 +264,22 @@ class KeyTable:
         words: np.ndarray,
         codes: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """The entries of windows (``at``, holding ``held``) that hold the given rows (which
+        """The entries of windows (``at``, modulo the table's size, holding ``held``) that hold the given rows (which
         window, the record there). Rows are compared only where the tags agree; a key is
         filed once, so a window has at most one. An entry past an empty one is trusted too:
         it can only have been filled since the probe began, and then the key is in."""
-        both = np.flatnonzero((lay.tags.take(at) == tag[:, None]) & (held >= 0))
-        i, rec = both // WINDOW, held.ravel().take(both)
-        stored = lay.words.take(rec, axis=0)[:, : words.shape[1]]
-        same = (self.lens.take(rec) == codes[i]) & (stored == words[i]).all(axis=1)
+        # Few numpy calls, each over as few elements as can be: a call costs microseconds
+        # of its own, more than its work at these sizes.
+        both = np.flatnonzero(lay.tags.take(at, mode="wrap") == tag[:, None])
+        rec = held.ravel().take(both)
+        live = rec >= 0  # a tombstone keeps the tag it had
+        if not live.all():
+            both, rec = both[live], rec[live]
+        i = both // WINDOW
+        same = self.lens.take(rec) == codes.take(i)
+        mine = words.take(i, axis=0)
+        for j in range(words.shape[1]):  # by column: one word for an 8-byte key
+            same &= lay.words[rec, j] == mine[:, j]
         return i[same], rec[same]
 
     def key(self, rec: int) -> bytes:
