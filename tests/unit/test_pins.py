@@ -27,6 +27,8 @@ K1, K2, K3 = BlockKey(b"key-1"), BlockKey(b"key-2"), BlockKey(b"key-3")
 REF = MemoryRef(end_point_name="engine-agent", label="kv", element_index=3)
 PENDING = object()  # the engine has not answered (yet)
 STEP_S = 0.001  # the engine's scheduler cadence
+# For tests that wait out minutes of mock time: a step costs real time, not mock time.
+SLOW_STEP_S = 0.01
 
 
 class FakeEngine:
@@ -50,6 +52,7 @@ class FakeEngine:
         self.released: list[str] = []  # handles whose release was accepted
         self.cancelled: list[int] = []
         self.serving = False  # set by the engine loop around each serve
+        self.step_s = STEP_S  # the scheduler's cadence
 
     def _called(self):
         assert self.serving, "an engine binding was called outside the engine's poll"
@@ -145,7 +148,7 @@ class Scheduler:
                         self.side.serve()
                 finally:
                     self.engine.serving = False
-            await trio.sleep(STEP_S)
+            await trio.sleep(self.engine.step_s)
 
 
 def start_pins(nursery, engine, log, *, with_cancel=True):
@@ -578,6 +581,7 @@ async def test_a_release_refused_for_good_is_reported_and_still_asked_every_seco
     autojump_clock, pins, engine, log
 ):
     engine.release_answers = [False] * 1000
+    engine.step_s = SLOW_STEP_S
 
     pins.release(Pin("h1", {K1: [REF]}))
     await trio.sleep(60)
@@ -721,6 +725,7 @@ async def test_a_result_granted_later_is_released_even_when_nothing_else_waits(
 async def test_a_request_never_answered_is_forgotten_after_30_s_and_polling_stops(
     autojump_clock, pins, engine, log
 ):
+    engine.step_s = SLOW_STEP_S
     with trio.move_on_after(0.05):
         await pins.pin([K1])
 
