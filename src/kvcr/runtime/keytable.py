@@ -159,14 +159,19 @@ class KeyTable:
             return digest + bytes(width - DIGEST_BYTES), DIGEST
         return bytes(width), ABSENT
 
-    def _identities(self, keys: Sequence[bytes], width: int) -> tuple[np.ndarray, np.ndarray]:
+    def _identities(
+        self, keys: Sequence[bytes], width: int, longest: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """The rows and length codes of ``keys``: rows as n x k little-endian uint64, where k
-        (at most ``width`` / 8) covers the longest key's own words; zero-padded."""
+        (at most ``width`` / 8) covers the longest key's own words; zero-padded.
+        ``longest``: the longest key's length, if the caller has it (a pass over the keys
+        costs ~60 us a thousand)."""
         n = len(keys)
         if n and isinstance(keys[0], bytes):
             # The usual batch: keys of one length (content hashes), joined in one C call.
             joined, first = b"".join(keys), len(keys[0])
-            if first <= width and len(joined) == n * first and max(map(len, keys)) == first:
+            uniform = first <= width and len(joined) == n * first
+            if uniform and (max(map(len, keys)) if longest is None else longest) == first:
                 if first % 8 == 0:
                     return (
                         np.frombuffer(joined, dtype="<u8").reshape(n, first // 8),
@@ -177,9 +182,9 @@ class KeyTable:
                 return rows.view("<u8"), np.full(n, first, dtype=np.intp)
         lens = np.fromiter(map(len, keys), dtype=np.intp, count=n)
         if n and int(lens.max()) <= width:
-            longest = max(8, (int(lens.max()) + 7) & ~7)
-            rows = np.array(keys, dtype=f"S{longest}")  # zero-padded, in C
-            return rows.view("<u8").reshape(n, longest // 8), lens
+            padded = max(8, (int(lens.max()) + 7) & ~7)
+            rows = np.array(keys, dtype=f"S{padded}")  # zero-padded, in C
+            return rows.view("<u8").reshape(n, padded // 8), lens
         idents = [self._identity(k, width) for k in keys]
         words = np.frombuffer(b"".join(row for row, _ in idents), dtype="<u8")
         return words.reshape(n, width // 8), np.array([c for _, c in idents], dtype=np.intp)
@@ -327,13 +332,13 @@ class KeyTable:
         n = len(keys)
         if not n:
             return np.empty(0, dtype=np.intp)
-        longest = max(map(len, keys))
-        if longest > MAX_WIDTH:  # digests are 32 bytes: only the others can widen the rows
-            longest = max((n for n in map(len, keys) if n <= MAX_WIDTH), default=0)
-        if longest > self._lay.width:
-            self._rebuild(_width_for(longest))
+        longest = widest = max(map(len, keys))
+        if widest > MAX_WIDTH:  # digests are 32 bytes: only the others can widen the rows
+            widest = max((n for n in map(len, keys) if n <= MAX_WIDTH), default=0)
+        if widest > self._lay.width:
+            self._rebuild(_width_for(widest))
         lay = self._lay
-        words, codes = self._identities(keys, lay.width)
+        words, codes = self._identities(keys, lay.width, longest)
         long = np.flatnonzero(codes == DIGEST)
         for i in long.tolist():
             self._long[int(recs[i])] = keys[i]
@@ -390,7 +395,7 @@ class KeyTable:
         slots, used = lay.slots, 0
         while len(todo):
             at = (pos[:, None] + _STEPS) & lay.mask
-            held = slots[at]
+            held = slots.take(at)
             mine = recs[todo]
             mine_words = lay.words.take(mine, axis=0)[:, :span]
             i, holder = self._matches(lay, at, held, tag, mine_words, self.lens.take(mine))
@@ -398,10 +403,14 @@ class KeyTable:
             done = np.zeros(len(todo), dtype=bool)
             done[i] = True
             open_ = held < 0  # EMPTY or TOMB
-            first = np.where(open_.any(axis=1), at[np.arange(len(todo)), open_.argmax(axis=1)], -1)
+            first = np.where(
+                _any_in_rows(open_),
+                np.take_along_axis(at, open_.argmax(axis=1)[:, None], 1)[:, 0],
+                -1,
+            )
             free = np.where(free < 0, first, free)
             # Only a window with an empty entry ends the search for the key.
-            ends = (held == EMPTY).any(axis=1) & ~done
+            ends = _any_in_rows(held == EMPTY) & ~done
             k = np.flatnonzero(ends)
             target = free[k]
             # A tombstone found in an earlier window may have been taken since.
