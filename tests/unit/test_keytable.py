@@ -106,6 +106,32 @@ def test_churn_reuses_tombstones_so_the_table_is_not_rebuilt_and_loses_nothing()
     assert 0 < len(rebuilds) < 50
 
 
+def test_keys_a_lookup_found_absent_go_into_the_first_free_entries_and_are_found() -> None:
+    table = KeyTable(300)  # 2,048 entries: long probe runs once most hold keys or tombstones
+    live: dict[bytes, int] = {}
+    for round_ in range(60):
+        fresh = [f"{round_}:{i}".encode() for i in range(100)]
+        assert table.find_many(fresh).tolist() == [-1] * 100
+        stamp = table.filings
+        free = sorted(set(range(300)) - set(live.values()))[:100]
+        assert table.add_many(fresh, np.array(free), absent_at=stamp).tolist() == [-1] * 100
+        live.update(zip(fresh, free))
+        gone = list(live)[:100] if len(live) > 150 else []
+        table.remove_many(np.array([live.pop(k) for k in gone], dtype=np.intp))
+    assert len(table) == len(live)
+    assert table.find_many(list(live)).tolist() == list(live.values())
+    assert sorted(table.items()) == sorted(live.items())
+
+
+def test_a_filing_since_the_lookup_voids_its_word_and_the_keys_are_looked_for_again() -> None:
+    table = KeyTable(16)
+    assert table.find_many([b"a", b"b"]).tolist() == [-1, -1]
+    stamp = table.filings
+    table.add(b"b", 9)  # meanwhile (the caller yielded, another operation filed it)
+    assert table.add_many([b"a", b"b"], recs(1, 2), absent_at=stamp).tolist() == [-1, 9]
+    assert table.find_many([b"a", b"b"]).tolist() == [1, 9] and len(table) == 2
+
+
 def test_rows_of_one_length_go_in_without_bytes_objects_and_read_back_as_keys() -> None:
     keys = [i.to_bytes(8, "big") for i in range(5000)]
     rows = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(5000, 8)
@@ -137,7 +163,10 @@ keys_strategy = st.binary(min_size=0, max_size=MAX_WIDTH + 20)
 @settings(max_examples=60, deadline=None)
 @given(
     st.lists(
-        st.tuples(st.sampled_from(["add", "remove", "find"]), st.lists(keys_strategy, max_size=40)),
+        st.tuples(
+            st.sampled_from(["add", "add_absent", "remove", "find"]),
+            st.lists(keys_strategy, max_size=40),
+        ),
         max_size=40,
     )
 )
@@ -156,6 +185,15 @@ def test_the_table_agrees_with_a_dict(steps: list[tuple[str, list[bytes]]]) -> N
                 else:
                     free.append(rec)
             assert all(model[k] == h for k, h in zip(batch, holders) if h >= 0)
+        elif action == "add_absent":  # what a deposit files after its lookup
+            batch = list(dict.fromkeys(keys))[: len(free)]
+            found = table.find_many(batch).tolist()
+            stamp = table.filings
+            batch = [k for k, rec in zip(batch, found) if rec < 0]
+            given_recs = [free.pop() for _ in batch]
+            holders = table.add_many(batch, np.array(given_recs, dtype=np.intp), stamp)
+            assert holders.tolist() == [-1] * len(batch)
+            model.update(zip(batch, given_recs))
         elif action == "remove":
             gone = {model.pop(k) for k in keys if k in model}
             table.remove_many(np.array(sorted(gone), dtype=np.intp))

@@ -339,12 +339,21 @@ def _read_batch(payload: bytes | memoryview, pos: int, end: int, out: list[Chang
 
 
 def encode_batch(
-    op: int, keys: Sequence[bytes], values: Sequence[tuple[int, ...]] | None
+    op: int, keys: Sequence[bytes], values: Sequence[tuple[int, ...]] | np.ndarray | None
 ) -> bytes | None:
-    """One batch entry for ``keys`` (and their ``values``; None for removals), or None if
-    they do not share one shape (then encode them one by one)."""
+    """One batch entry for ``keys`` (and their ``values``, or an array of keys x values;
+    None for removals), or None if they do not share one shape (then encode them one by
+    one)."""
     n = len(keys)
     klens = set(map(len, keys))
+    if isinstance(values, np.ndarray):
+        if len(klens) != 1 or values.ndim != 2 or len(values) != n:
+            return None
+        (klen,), count = klens, values.shape[1]
+        if klen > MAX_KEY or count > MAX_VALUES or (op in REMOVALS) != (count == 0):
+            return None
+        head = BATCH_HEAD.pack(BATCH, op, n, klen, count)
+        return head + b"".join(keys) + values.astype("<u8", copy=False).tobytes()
     counts = {0} if values is None else set(map(len, values))
     if len(klens) != 1 or len(counts) != 1:
         return None
@@ -573,13 +582,18 @@ class Writer:
             self._pending += entry.pack(op, len(key), key, 0)
 
     def put_batch(
-        self, keys: Sequence[bytes], values: Sequence[tuple[int, ...]], tier: int = PUT_G2
+        self,
+        keys: Sequence[bytes],
+        values: Sequence[tuple[int, ...]] | np.ndarray,
+        tier: int = PUT_G2,
     ) -> None:
-        """:meth:`put` for many keys at once (one entry when they share a shape)."""
+        """:meth:`put` for many keys at once (``values``: each key's, or an array of keys x
+        values); one entry when they share a shape."""
         entry = encode_batch(tier, keys, values)
         if entry is None:
-            for key, vals in zip(keys, values):
-                self.put(key, vals, tier)
+            rows = values.tolist() if isinstance(values, np.ndarray) else values
+            for key, vals in zip(keys, rows):
+                self.put(key, tuple(vals), tier)
         else:
             self._pending += entry
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from kvcr.runtime.index import Block, BlockState, Claim, Found
+from kvcr.runtime.index import Block, BlockState, Claim, Filling, Found
 from kvcr.runtime.ops import DROPPED, FAILED, SUCCESS, Operation
 from kvcr.runtime.residency import Residency, fill_over, wait_filled
 from kvcr.runtime.transfers import Xfer
@@ -83,11 +83,13 @@ class LocalG2(Residency):
         answers: dict[BlockKey, OpEntryResult] = {}
         waits: list[tuple[BlockKey, Block]] = []
         new: list[BlockKey] = []
+        found = None  # when set: ``new`` are keys it found absent
         pending, index = op.pending, self.index
         live = keys if pending.issuperset(keys) else [k for k in keys if k in pending]
         if not self._wants("decide_ingest"):
             # The usual case: every key not in the index is stored, nothing to ask per key.
-            held = index.lookup(live).held()
+            found = index.lookup(live)
+            held = found.held()
             new = (
                 list(live) if not held.any() else [k for k, h in zip(live, held.tolist()) if not h]
             )
@@ -123,38 +125,38 @@ class LocalG2(Residency):
                 "no_evict blocks cannot be evicted)"
             )
         self.outbox.answer(op, answers)
-        blocks = self.index.add_filling_batch(new[:granted], now)
-        if blocks:
-            await self._fill(op, blocks, sources, no_evict)
+        if granted:
+            fill = self.index.add_fills(new[:granted], now, found)
+            await self._fill(op, fill, sources, no_evict)
         return waits
 
     async def _fill(
         self,
         op: Operation,
-        blocks: list[Block],
+        fill: Filling,
         sources: Mapping[BlockKey, tuple[int, ...]],
         no_evict: bool,
     ) -> None:
         bases = self.memory.pool_base
-        keys = [b[2] for b in blocks]  # Block.key, without a property call per block
-        op.filling.update(zip(keys, blocks))
+        keys = fill.keys
+        op.fills.append(fill)
         if len(bases) == 1:  # one pool, the usual case: one descriptor a key, the record's
-            dst = (self.index.records(blocks) + bases[0]).tolist()
+            dst = (fill.recs + bases[0]).tolist()
             src = [d for (d,) in map(sources.__getitem__, keys)]
-        else:
-            dst = [base + slot for b in blocks for base, slot in zip(bases, b.slots)]
+        else:  # each key's descriptors in pool order, as its sources are
+            dst = (fill.slots + np.array(bases, dtype=np.intp)).ravel().tolist()
             src = [d for k in keys for d in sources[k]]
-        nbytes = len(blocks) * self.memory.bytes_per_key
+        nbytes = len(fill) * self.memory.bytes_per_key
 
         def settle(xfer: Xfer) -> None:
             self.outbox.xfer_terminal(op, xfer)
-            self._settle_fill(op, blocks, xfer.ok, no_evict, keys)
+            self._settle_fill(op, fill, xfer.ok, no_evict)
 
         try:
             xfer = self.transfers.start(dst, src, f"deposit op {op.handle}", nbytes, settle)
         except TransportError as exc:
             op.failure = str(exc)
-            self._settle_fill(op, blocks, False, no_evict, keys)
+            self._settle_fill(op, fill, False, no_evict)
             return
         await self._follow(op, xfer, keys)
 
@@ -167,54 +169,61 @@ class LocalG2(Residency):
             op.xfers[xfer] = frozenset(keys)
             await xfer.done.wait()
 
-    def _settle_fill(
-        self, op: Operation, blocks: list[Block], ok: bool, no_evict: bool, keys: list[BlockKey]
-    ) -> None:
-        """End the fill of ``blocks`` (of ``keys``, in order): commit what arrived for keys
-        still pending, drop the rest, and answer."""
-        index, filling, live = self.index, op.filling, op.live
-        for key in keys:
-            filling.pop(key, None)
-        held = index.still_held(blocks)
-        if len(held) < len(blocks):
-            for block in blocks:
-                if not index.holds(block):  # withdrawn while the transfer ran
-                    index.release_slots(block)
-        everything = len(held) == len(blocks) and op.pending.issuperset(keys)
-        done = (held if everything else [b for b in held if live(b[2])]) if ok else []
-        index.commit_many(done, self.scores(done))
-        if self._wants("on_ingest"):
-            for block in done:
-                self.ingested(block, self.source_tier)
-        added = keys if ok and everything else [b[2] for b in done]
-        answers: dict[BlockKey, OpEntryResult]
-        if no_evict:
-            answers = {b.key: self._stored(b, no_evict) for b in done}
+    def _settle_fill(self, op: Operation, fill: Filling, ok: bool, no_evict: bool) -> None:
+        """End the fill of ``fill``'s records: commit what arrived for keys still pending,
+        drop the rest, and answer. With masks over the batch's arrays: a view per key only
+        for what needs one (a policy's hooks, release handles, a failure)."""
+        index, keys, pending = self.index, fill.keys, op.pending
+        op.fills.remove(fill)
+        held = index.held(fill)
+        every_held = bool(held.all())
+        if not every_held:  # withdrawn while the transfer ran: their slots are free now
+            for block in fill.subset(~held).views():
+                index.release_slots(block)
+        everything = every_held and pending.issuperset(keys)
+        if not ok:
+            done = fill.subset(np.zeros(len(fill), dtype=bool))
+        elif everything:
+            done = fill
         else:
-            answers = dict.fromkeys(added, SUCCESS)
-        if len(done) < len(held):
+            done = fill.subset(held & np.fromiter(map(pending.__contains__, keys), bool))
+        hooked = no_evict or self.scores_by_policy or self._wants("on_ingest")
+        views = done.views() if hooked else []
+        index.commit_fills(done, self.scores(views) if self.scores_by_policy else None)
+        if self._wants("on_ingest"):
+            for block in views:
+                self.ingested(block, self.source_tier)
+        answers = {b.key: self._stored(b, no_evict) for b in views} if no_evict else {}
+        if len(done) < int(held.sum()):
             # Failed, timed out or aborted: a late success never becomes a success, and
             # the engine may already be reusing the source memory.
-            for block in held:
+            for block in fill.subset(held).views():
                 if block.state is BlockState.FILLING:
                     index.remove(block)
-                    if live(block.key):
+                    if op.live(block.key):
                         answers[block.key] = FAILED
-        index.fill_over(blocks)
+        index.fills_over(fill)
         index.flush_journal()  # committed before the engine hears of it
-        op.moved += len(added)
-        if added:
-            self.callbacks.inventory(InventoryEvent(tuple(added), CacheTier.LOCAL_G2, False))
+        op.moved += len(done)
+        if len(done):
+            self.callbacks.inventory(InventoryEvent(tuple(done.keys), CacheTier.LOCAL_G2, False))
         if not ok:
             op.failure = op.failure or "deposit: the transfer into local G2 failed"
-        self.outbox.answer(op, answers)
+        if answers or no_evict:
+            answers.update(dict.fromkeys([k for k in done.keys if k not in answers], SUCCESS))
+            self.outbox.answer(op, answers)
+        else:
+            self.outbox.answer_all(op, done.keys, SUCCESS)
 
     def withdraw(self, op: Operation, keys: Sequence[BlockKey]) -> None:
         """The operation gave up on ``keys`` (deadline, abort, close) while their fill may be
         in flight: they leave the index at once (a query says MISS, waiters stop waiting),
         but their slots stay taken until the transfer is terminal."""
-        for key in keys:
-            block = op.filling.get(key)
+        wanted = set(keys)
+        filling = [op.filling.get(key) for key in keys]
+        for fill in op.fills:
+            filling += [block for block in fill.views() if block.key in wanted]
+        for block in filling:
             if block is None or not self.index.holds(block):
                 continue
             self.index.detach(block)

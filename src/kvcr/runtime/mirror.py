@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import attrs
+import numpy as np
 
 from kvcr.guard import journal
 from kvcr.runtime.index import BlockIndex
@@ -51,7 +52,7 @@ class Mirror(journal.Writer):
         # Changes since the last flush, as one run of commits or one run of removals (the
         # order between runs is kept): published as batch entries.
         self._put_keys: list[BlockKey] = []
-        self._put_slots: list[tuple[int, ...]] = []
+        self._put_slots: list[np.ndarray] = []  # keys x pools each
         self._removed: list[BlockKey] = []
         super().__init__(buf, None, resume)  # snapshots come from the index: snapshot()
         if self.disabled:
@@ -88,13 +89,13 @@ class Mirror(journal.Writer):
         if self._removed:
             self._drain()
         self._put_keys.append(key)
-        self._put_slots.append(slots)
+        self._put_slots.append(np.array([slots], dtype=np.uint64))
 
-    def committed_many(self, keys: list[BlockKey], slots: list[tuple[int, ...]]) -> None:
+    def committed_many(self, keys: list[BlockKey], slots: np.ndarray) -> None:
         if self._removed:
             self._drain()
         self._put_keys.extend(keys)
-        self._put_slots.extend(slots)
+        self._put_slots.append(slots)
 
     def removed(self, key: BlockKey) -> None:
         if self._put_keys:
@@ -108,7 +109,8 @@ class Mirror(journal.Writer):
 
     def _drain(self) -> None:
         if self._put_keys:
-            self.put_batch(self._put_keys, self._put_slots)
+            slots = self._put_slots
+            self.put_batch(self._put_keys, slots[0] if len(slots) == 1 else np.concatenate(slots))
             self._put_keys, self._put_slots = [], []
         if self._removed:
             self.remove_batch(self._removed)

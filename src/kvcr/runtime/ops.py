@@ -25,7 +25,7 @@ from kvcr.telemetry import SCOPE_LOCAL_DELIVER, SCOPE_LOCAL_FETCH, SCOPE_LOCAL_F
 from kvcr.types import BlockKey, MemoryRef, OpEntryResult, OpEntryStatus, OpResult, TransferError
 
 if TYPE_CHECKING:
-    from kvcr.runtime.index import Block
+    from kvcr.runtime.index import Block, Filling
     from kvcr.runtime.peers import RemotePull
 
 FAILED = OpEntryResult(OpEntryStatus.FAILED)
@@ -104,6 +104,7 @@ class Operation:
     # In flight -> keys: local transfers, and pulls a peer may still write.
     xfers: dict[Xfer | RemotePull, frozenset[BlockKey]] = attrs.field(factory=dict)
     filling: dict[BlockKey, Block] = attrs.field(factory=dict)  # key -> the block it fills
+    fills: list[Filling] = attrs.field(factory=list)  # a deposit's batches being filled
     uncertain: bool = False  # reported: a transfer may still touch ``framework``
     remote: RemotePart = attrs.field(factory=RemotePart)
     moved: int = 0  # local keys whose bytes were transferred
