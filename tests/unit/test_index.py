@@ -125,6 +125,30 @@ def test_a_batch_commits_at_once_in_score_order() -> None:
     assert [b.key for b in index.victims(lambda b: 0.0)] == [b"b", b"c", b"a"]
 
 
+def test_a_deposit_fills_the_keys_its_lookup_found_absent_as_one_batch_of_arrays() -> None:
+    index = make_index(slots=64, pools=2)
+    ready(index, b"held", 1.0)
+    keys = [b"held"] + [bytes([i]) * 8 for i in range(40)]
+    found = index.lookup_to_fill(keys)
+    assert found.held().tolist() == [True] + [False] * 40
+    fill = index.add_fills(keys[1:], now=2.0, absent=found)
+    assert fill.keys == keys[1:] and fill.slots.shape == (40, 2)
+    assert index.answers(keys) == [HIT] + [FETCHING] * 40
+    assert index.held(fill).all()
+    index.commit_fills(fill, None)
+    assert index.answers(keys) == [HIT] * 41 and index.audit()["double"] == 0
+    assert [b.slots for b in fill.views()] == [tuple(row) for row in fill.slots.tolist()]
+
+
+def test_keys_that_are_not_the_ones_a_lookup_found_absent_are_not_filed_by_it() -> None:
+    index = make_index(slots=64)
+    keys = [bytes([i]) * 8 for i in range(40)]
+    found = index.lookup_to_fill(keys)
+    with pytest.raises(ValueError, match="not the ones found absent"):
+        index.add_fills(list(reversed(keys)), now=0.0, absent=found)
+    assert index.free_keys == 64 and len(index) == 0  # nothing taken
+
+
 def test_a_tier_can_publish_its_own_answers_and_nothing_while_filling() -> None:
     index = BlockIndex([SlotPool("g3", 4096, 4)], ready=FETCHING, filling=None)
     (block,) = index.add_filling_batch([b"a"], now=0.0)

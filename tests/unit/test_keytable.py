@@ -132,6 +132,35 @@ def test_a_filing_since_the_lookup_voids_its_word_and_the_keys_are_looked_for_ag
     assert table.find_many([b"a", b"b"]).tolist() == [1, 9] and len(table) == 2
 
 
+def test_keys_a_probe_found_absent_are_filed_where_it_found_room_and_are_found() -> None:
+    table = KeyTable(300)
+    live: dict[bytes, int] = {}
+    for round_ in range(60):
+        # Some of each batch are filed already: only the absent ones are filed.
+        batch = [f"{round_}:{i}".encode() for i in range(100)] + list(live)[:20]
+        probe = table.probe(batch)
+        assert probe.found.tolist() == [-1] * 100 + [live[k] for k in batch[100:]]
+        free = sorted(set(range(300)) - set(live.values()))[:100]
+        absent = np.flatnonzero(probe.found < 0)
+        assert table.add_probed(probe, absent, np.array(free)).tolist() == [-1] * 100
+        live.update(zip(batch[:100], free))
+        gone = list(live)[20:120] if len(live) > 150 else []
+        table.remove_many(np.array([live.pop(k) for k in gone], dtype=np.intp))
+    assert len(table) == len(live)
+    assert table.find_many(list(live)).tolist() == list(live.values())
+    assert sorted(table.items()) == sorted(live.items())
+
+
+def test_a_probe_is_not_trusted_once_a_key_was_filed_after_it() -> None:
+    table = KeyTable(64)
+    batch = [bytes([i]) * 8 for i in range(40)]
+    probe = table.probe(batch)
+    table.add(batch[7], 63)  # meanwhile
+    holders = table.add_probed(probe, np.arange(40), np.arange(40))
+    assert holders.tolist() == [-1] * 7 + [63] + [-1] * 32
+    assert table.find_many(batch).tolist() == [*range(7), 63, *range(8, 40)]
+
+
 def test_rows_of_one_length_go_in_without_bytes_objects_and_read_back_as_keys() -> None:
     keys = [i.to_bytes(8, "big") for i in range(5000)]
     rows = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(5000, 8)
@@ -186,14 +215,13 @@ def test_the_table_agrees_with_a_dict(steps: list[tuple[str, list[bytes]]]) -> N
                     free.append(rec)
             assert all(model[k] == h for k, h in zip(batch, holders) if h >= 0)
         elif action == "add_absent":  # what a deposit files after its lookup
-            batch = list(dict.fromkeys(keys))[: len(free)]
-            found = table.find_many(batch).tolist()
-            stamp = table.filings
-            batch = [k for k, rec in zip(batch, found) if rec < 0]
-            given_recs = [free.pop() for _ in batch]
-            holders = table.add_many(batch, np.array(given_recs, dtype=np.intp), stamp)
-            assert holders.tolist() == [-1] * len(batch)
-            model.update(zip(batch, given_recs))
+            batch = list(dict.fromkeys(keys))
+            probe = table.probe(batch)
+            absent = np.flatnonzero(probe.found < 0)[: len(free)]
+            given_recs = [free.pop() for _ in absent]
+            holders = table.add_probed(probe, absent, np.array(given_recs, dtype=np.intp))
+            assert holders.tolist() == [-1] * len(absent)
+            model.update(zip([batch[i] for i in absent.tolist()], given_recs))
         elif action == "remove":
             gone = {model.pop(k) for k in keys if k in model}
             table.remove_many(np.array(sorted(gone), dtype=np.intp))

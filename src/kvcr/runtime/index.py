@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 import numpy as np
 
 from kvcr.runtime.eviction import EvictionQueue
-from kvcr.runtime.keytable import KeyTable
+from kvcr.runtime.keytable import KeyTable, Probe
 from kvcr.types import BlockKey, CacheTier, QueryStatus
 
 if TYPE_CHECKING:
@@ -243,13 +243,13 @@ class JournalSink(Protocol):
 
 class Found:
     """One lookup of a batch of keys (:meth:`BlockIndex.lookup`): each key's record (-1:
-    none) and its state flags (0: none); ``filings``: the key table's count of filings then
-    (keys it found absent are absent as long as that count is the same)."""
+    none) and its state flags (0: none), and (``probe``) the key table's lookup, which can
+    file the keys it found absent without looking for them again."""
 
-    __slots__ = ("filings", "flags", "recs")
+    __slots__ = ("flags", "probe", "recs")
 
-    def __init__(self, recs: np.ndarray, flags: np.ndarray, filings: int = -1) -> None:
-        self.recs, self.flags, self.filings = recs, flags, filings
+    def __init__(self, recs: np.ndarray, flags: np.ndarray, probe: Probe | None = None) -> None:
+        self.recs, self.flags, self.probe = recs, flags, probe
 
     def held(self) -> np.ndarray:
         """Which keys have a record."""
@@ -426,9 +426,13 @@ class BlockIndex:
     def _flags_of(self, keys: Sequence[BlockKey]) -> tuple[np.ndarray, np.ndarray]:
         """Each key's record (-1: none) and its flags (0: none)."""
         recs = self.table.find_many(keys)
+        return recs, self._flags_at(recs)
+
+    def _flags_at(self, recs: np.ndarray) -> np.ndarray:
         if not len(self.table):
-            return recs, np.zeros(len(keys), dtype=np.uint8)
-        return recs, np.where(recs >= 0, self._flags_np[np.maximum(recs, 0)], 0)
+            return np.zeros(len(recs), dtype=np.uint8)
+        flags: np.ndarray = np.where(recs >= 0, self._flags_np[np.maximum(recs, 0)], 0)
+        return flags
 
     def _view(self, rec: int, key: BlockKey) -> Block:
         slots = (rec, *(s[rec] for s in self.other_slots)) if self.other_slots else (rec,)
@@ -467,12 +471,21 @@ class BlockIndex:
         """Records for ``keys``, in ``FILLING`` state. Each pool's slots are handed out in
         ascending order along the keys, so consecutive keys get adjacent slots whenever the
         free list allows: NIXL merges adjacent descriptors (+40 % at 64 KiB blocks).
-        ``absent``: a lookup that found all of ``keys`` (distinct) without a record; if no
-        key was filed since, they are filed without looking for them again."""
+        ``absent``: a :meth:`lookup_to_fill` whose keys without a record are ``keys`` (or
+        their first ones), in order: if no key was filed since, they are filed without
+        looking for them again."""
+        probe = absent.probe if absent is not None and keys else None
+        if probe is not None:
+            rows = np.flatnonzero(probe.found < 0)[: len(keys)]
+            if len(rows) < len(keys) or probe.keys[int(rows[-1])] is not keys[-1]:
+                raise ValueError("block index: keys to fill are not the ones found absent")
         if keys and self.journal is not None:
             self.journal.flush()
         at = np.array(self._first.take_many(len(keys)), dtype=np.intp)
-        holders = self.table.add_many(keys, at, None if absent is None else absent.filings)
+        if probe is None:
+            holders = self.table.add_many(keys, at)
+        else:
+            holders = self.table.add_probed(probe, rows, at)
         if (holders >= 0).any():
             self._unfile(keys, at, holders)
         self._flags_np[at] = _ATTACHED | _FILLING
@@ -530,9 +543,14 @@ class BlockIndex:
     def lookup(self, keys: Sequence[BlockKey]) -> Found:
         """What one probe of the key table finds for ``keys``: for the hot paths, which
         then claim or wait without looking the keys up again (valid until they yield)."""
-        filings = self.table.filings
         recs, flags = self._flags_of(keys)
-        return Found(recs, flags, filings)
+        return Found(recs, flags)
+
+    def lookup_to_fill(self, keys: Sequence[BlockKey]) -> Found:
+        """:meth:`lookup` of distinct keys, whose absent ones :meth:`add_fills` may file
+        without a second probe."""
+        probe = self.table.probe(keys)
+        return Found(probe.found, self._flags_at(probe.found), probe)
 
     def claim_ready(self, found: Found, now: float) -> Claim:
         """Claim (an access at ``now``) the READY records of a fresh :meth:`lookup`

@@ -120,6 +120,29 @@ class _Layout:
         self.mask = size - 1
 
 
+class Probe:
+    """A batch of keys looked up (:meth:`KeyTable.probe`): each one's record (``found``, -1:
+    none), the table's count of filings then, and for filing the absent ones without a
+    second probe (None where the batch did not keep them): the layout probed, the keys'
+    rows, length codes and hashes, and each key's first free entry (-1: none found)."""
+
+    __slots__ = ("codes", "filings", "found", "free", "hashes", "keys", "layout", "words")
+
+    def __init__(
+        self,
+        keys: Sequence[bytes],
+        found: np.ndarray,
+        filings: int,
+        layout: _Layout | None = None,
+        words: np.ndarray | None = None,
+        codes: np.ndarray | None = None,
+        hashes: np.ndarray | None = None,
+        free: np.ndarray | None = None,
+    ) -> None:
+        self.keys, self.found, self.filings, self.layout = keys, found, filings, layout
+        self.words, self.codes, self.hashes, self.free = words, codes, hashes, free
+
+
 class KeyTable:
     """Block keys -> records in ``range(capacity)``; a record holds at most one key."""
 
@@ -241,23 +264,41 @@ class KeyTable:
 
     def find_many(self, keys: Sequence[bytes]) -> np.ndarray:
         """The record of each key, -1 where it has none (intp)."""
+        return self._find_many(keys, False).found
+
+    def probe(self, keys: Sequence[bytes]) -> Probe:
+        """:meth:`find_many`, keeping what filing the keys found absent needs (their rows,
+        hashes, and where each one's probe sequence has its first free entry): for
+        :meth:`add_probed`, which then files them without probing again."""
+        return self._find_many(keys, True)
+
+    def _find_many(self, keys: Sequence[bytes], keep: bool) -> Probe:
         n = len(keys)
+        filings = self.filings
         if n <= PYTHON_BATCH:  # numpy's fixed cost per call would outweigh the batch
-            return np.array([self.find(k) for k in keys] if self._count else [-1] * n, np.intp)
+            found = np.array([self.find(k) for k in keys] if self._count else [-1] * n, np.intp)
+            return Probe(keys, found, filings)
         found = np.full(n, -1, dtype=np.intp)
-        if not self._count:
-            return found
+        if not self._count and not keep:
+            return Probe(keys, found, filings)
         lay = self._lay
         words, codes = self._identities(keys, lay.width)
         hashes = _hash_rows(words, codes)
         pos = (hashes & np.uint64(lay.mask)).astype(np.intp)
         tag = (hashes >> _U64_32).astype(np.uint32)
+        free = np.empty(0, dtype=np.intp) if keep else None  # set in the first round
         todo = np.arange(n)
         while len(todo) > PYTHON_TAIL:
             at = pos[:, None] + _STEPS  # wrapped by the takes
             held = lay.slots.take(at, mode="wrap")
             i, rec = self._matches(lay, at, held, tag, words[todo], codes[todo])
             found[todo[i]] = rec
+            if free is not None and len(todo) == n:
+                # The first free entry of the first window, if it has one (nearly all do:
+                # the others are filed from their home).
+                open_ = held < 0
+                entry = (pos + open_.argmax(axis=1)) & lay.mask
+                free = np.where(_any_in_rows(open_), entry, -1)
             # Keys whose window had neither their record nor an empty entry read on.
             going = ~_any_in_rows(held == EMPTY)
             going[i] = False
@@ -266,7 +307,9 @@ class KeyTable:
         for i, p, t in zip(todo.tolist(), pos.tolist(), tag.tolist()):
             row = words[i].tobytes() + bytes(lay.width - 8 * words.shape[1])
             found[i] = self._probe(lay, row, int(codes[i]), p, t)
-        return found
+        if free is None or len(free) != n or (codes >= ABSENT).any():
+            return Probe(keys, found, filings)  # digests and too-wide keys: add_many's way
+        return Probe(keys, found, filings, lay, words, codes, hashes, free)
 
     def _matches(
         self,
@@ -357,6 +400,48 @@ class KeyTable:
         for i in long.tolist():
             self._long[int(recs[i])] = keys[i]
         return self._file(recs, words, codes, absent_at == self.filings)
+
+    def add_probed(self, probe: Probe, absent: np.ndarray, recs: np.ndarray) -> np.ndarray:
+        """:meth:`add_many` for keys of ``probe`` it found absent (``absent``: their indices
+        in it, distinct keys), each under its record in ``recs``. If nothing was filed
+        since the probe and the table was not rebuilt, each goes into the free entry the
+        probe found for it (where none was found, or two wanted one entry, the first free
+        one from its home): no probe again."""
+        lay, n = self._lay, len(absent)
+        if (
+            probe.free is None
+            or probe.layout is not lay
+            or probe.filings != self.filings
+            or self._used + n > MAX_USED * self._size
+        ):
+            keys = [probe.keys[i] for i in absent.tolist()]
+            return self.add_many(keys, recs, probe.filings)
+        assert probe.words is not None and probe.codes is not None and probe.hashes is not None
+        self.filings += 1
+        words = probe.words.take(absent, axis=0)
+        k = words.shape[1]
+        lay.words[recs, :k] = words  # rows first: an entry is only read after its row
+        if k < lay.width // 8:
+            lay.words[recs, k:] = 0
+        self.lens[recs] = probe.codes.take(absent)
+        hashes, target = probe.hashes.take(absent), probe.free.take(absent)
+        slots = lay.slots
+        was = slots.take(target)  # -1 (no entry found) reads the last entry: not placed
+        placed = (target >= 0) & (was < 0)
+        at, mine = target[placed], recs[placed]
+        # Several may want one entry: each writes, one write stays, it won.
+        slots[at] = mine
+        won = slots.take(at) == mine
+        lay.tags[at[won]] = (hashes[placed][won] >> _U64_32).astype(np.uint32)
+        self._entry[mine[won]] = at[won]
+        used = int(np.count_nonzero(was[placed][won] == EMPTY))
+        rest = np.ones(n, dtype=bool)
+        rest[np.flatnonzero(placed)[won]] = False
+        if rest.any():
+            used += self._place_absent(lay, recs[rest], hashes[rest])
+        self._count += n
+        self._used += used
+        return np.full(n, -1, dtype=np.intp)
 
     def add_rows(self, rows: np.ndarray, recs: np.ndarray) -> np.ndarray:
         """:meth:`add_many` for keys given as rows of one length (``rows``: n x length

@@ -88,7 +88,7 @@ class LocalG2(Residency):
         live = keys if pending.issuperset(keys) else [k for k in keys if k in pending]
         if not self._wants("decide_ingest"):
             # The usual case: every key not in the index is stored, nothing to ask per key.
-            found = index.lookup(live)
+            found = index.lookup_to_fill(live)
             held = found.held()
             new = (
                 list(live) if not held.any() else [k for k, h in zip(live, held.tolist()) if not h]
