@@ -15,6 +15,7 @@ running, and its slots and claims must be held until it is not.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -140,12 +141,12 @@ class LocalG2(Residency):
         bases = self.memory.pool_base
         keys = fill.keys
         op.fills.append(fill)
+        # Each key's descriptors in pool order, as its sources are (one pass in C).
+        src = list(chain.from_iterable(map(sources.__getitem__, keys)))
         if len(bases) == 1:  # one pool, the usual case: one descriptor a key, the record's
             dst = (fill.recs + bases[0]).tolist()
-            src = [d for (d,) in map(sources.__getitem__, keys)]
-        else:  # each key's descriptors in pool order, as its sources are
+        else:
             dst = (fill.slots + np.array(bases, dtype=np.intp)).ravel().tolist()
-            src = [d for k in keys for d in sources[k]]
         nbytes = len(fill) * self.memory.bytes_per_key
 
         def settle(xfer: Xfer) -> None:

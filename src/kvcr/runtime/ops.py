@@ -86,7 +86,7 @@ class RemotePart:
 
 @attrs.define(eq=False)
 class Operation:
-    """One engine call's work: its keys and answers (``pending``, ``ok_keys``, ``failure``),
+    """One engine call's work: its keys and answers (``pending``, ``ok``, ``failure``),
     its clock, and what its transfers hold (``xfers``, ``filling``, ``framework``). Its
     transfers' own states are their tables' (``lifecycle.py``)."""
 
@@ -108,7 +108,8 @@ class Operation:
     uncertain: bool = False  # reported: a transfer may still touch ``framework``
     remote: RemotePart = attrs.field(factory=RemotePart)
     moved: int = 0  # local keys whose bytes were transferred
-    ok_keys: set[BlockKey] = attrs.field(factory=set)
+    ok: int = 0  # keys answered with success (each key is answered once)
+    ok_remote: int = 0  # ... of them, keys the peer was asked for
     failure: str | None = None
 
     @property
@@ -174,18 +175,23 @@ class Outbox:
         self, op: Operation, fresh: dict[BlockKey, OpEntryResult], entry: OpEntryResult | None
     ) -> None:
         """Send ``fresh`` (pending keys' answers; ``entry``: the one they all have)."""
-        ok, failed = op.ok_keys, []
+        failed: list[BlockKey] = []
         if entry is not None:
+            ok = list(fresh) if entry.success and op.remote.keys else None
             if entry.success:
-                ok.update(fresh)
+                op.ok += len(fresh)
             elif entry.status is OpEntryStatus.FAILED:
                 failed = list(fresh)
         else:
+            ok = []
             for key, each in fresh.items():
                 if each.success:
-                    ok.add(key)
+                    ok.append(key)
                 elif each.status is OpEntryStatus.FAILED:
                     failed.append(key)
+            op.ok += len(ok)
+        if ok and op.remote.keys:
+            op.ok_remote += len(op.remote.keys.intersection(ok))
         if failed and any(not keys.isdisjoint(failed) for keys in op.xfers.values()):
             self._report_uncertain(op)
         op.pending.difference_update(fresh)
@@ -241,20 +247,20 @@ def record(op: Operation, telemetry: Any, memory: Any, log: Any) -> None:
     remote_keys = op.remote.keys
     local_keys = len(op.keys) - len(remote_keys)
     if local_keys or not remote_keys:
-        ok = len(op.ok_keys - remote_keys)
+        ok = op.ok - op.ok_remote
         telemetry.operation(
             SCOPES[op.kind], seconds, ok, local_keys, op.moved * pools, op.moved * per_key
         )
     if remote_keys:
-        ok, moved = len(op.ok_keys & remote_keys), op.remote.moved
+        ok, moved = op.ok_remote, op.remote.moved
         telemetry.operation(
             REMOTE_SCOPES[op.kind], seconds, ok, len(remote_keys), moved * pools, moved * per_key
         )
-    if op.failure and len(op.ok_keys) < len(op.keys):
+    if op.failure and op.ok < len(op.keys):
         log.info(
             "op_failed",
             op=op.handle,
             kind=op.kind,
-            failed=len(op.keys) - len(op.ok_keys),
+            failed=len(op.keys) - op.ok,
             reason=op.failure,
         )
