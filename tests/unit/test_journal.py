@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -99,6 +100,22 @@ def test_a_key_can_be_in_g2_and_g3_and_leave_each_on_its_own() -> None:
     w.remove_batch([b"k"], journal.REMOVE_G3)
     w.flush()
     assert read(buf).g3 == {}
+
+
+def test_a_batch_put_from_an_array_of_slots_is_the_batch_put_from_tuples() -> None:
+    keys = [bytes([i]) * 8 for i in range(100)]
+    slots = np.arange(200, dtype=np.uint64).reshape(100, 2)
+    as_rows = journal.encode_batch(PUT_G2, keys, slots)
+    assert as_rows == journal.encode_batch(PUT_G2, keys, [tuple(r) for r in slots.tolist()])
+    buf = bytearray(SIZE)
+    w = Writer(buf, list)
+    # Keys of two lengths: put key by key.
+    w.put_batch([*keys, b"odd length"], np.vstack([slots, np.array([[7, 9]], dtype=np.uint64)]))
+    w.flush()
+    assert read(buf).state == {
+        **{k: g2(2 * i, 2 * i + 1) for i, k in enumerate(keys)},
+        b"odd length": g2(7, 9),
+    }
 
 
 def test_unflushed_changes_are_not_published() -> None:
