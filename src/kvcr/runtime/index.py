@@ -624,21 +624,13 @@ class BlockIndex:
         keys = self.table.keys(recs)
         return [self._view(rec, BlockKey(key)) for rec, key in zip(recs.tolist(), keys)]
 
-    def fill_over(self, blocks: Sequence[Block]) -> None:
-        """Wake whoever waits for the fill of one of ``blocks`` (usually nobody)."""
-        if self.waiters:
-            self._wake((block[0], block[1]) for block in blocks)
-
     def fills_over(self, fill: Filling) -> None:
-        """:meth:`fill_over` for the records of :meth:`add_fills`."""
+        """Wake whoever waits for the fill of one of ``fill``'s records (usually nobody)."""
         if self.waiters:
-            self._wake(zip(fill.recs.tolist(), fill.gens.tolist()))
-
-    def _wake(self, records: Iterable[tuple[int, int]]) -> None:
-        for record in records:
-            event = self.waiters.pop(record, None)
-            if event is not None:
-                event.set()
+            for record in zip(fill.recs.tolist(), fill.gens.tolist()):
+                event = self.waiters.pop(record, None)
+                if event is not None:
+                    event.set()
 
     def flush_journal(self) -> None:
         if self.journal is not None:
@@ -663,14 +655,6 @@ class BlockIndex:
             self.ready_count -= 1
             if self.journal is not None:
                 self.journal.removed(block.key)
-
-    def still_held(self, blocks: Sequence[Block]) -> list[Block]:
-        """Those of ``blocks`` still in the index (:meth:`holds` of each, with numpy)."""
-        gens = np.fromiter((b[1] for b in blocks), dtype=np.uint32, count=len(blocks))
-        held = self._held(self.records(blocks), gens)
-        if held.all():
-            return list(blocks)
-        return [b for b, h in zip(blocks, held.tolist()) if h]
 
     def held(self, fill: Filling) -> np.ndarray:
         """Which records of ``fill`` are still in the index (not withdrawn)."""
