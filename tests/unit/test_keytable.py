@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -106,21 +107,35 @@ def test_churn_reuses_tombstones_so_the_table_is_not_rebuilt_and_loses_nothing()
     assert 0 < len(rebuilds) < 50
 
 
-def test_keys_a_lookup_found_absent_go_into_the_first_free_entries_and_are_found() -> None:
-    table = KeyTable(300)  # 2,048 entries: long probe runs once most hold keys or tombstones
+Filer = Callable[[KeyTable, list[bytes], dict[bytes, int], np.ndarray], None]
+
+
+def churn(file: Filer) -> None:
+    """60 rounds of 100 new keys, each round's filed by ``file`` (given the table, the new
+    keys, the live ones and free records for the new ones) into a table of 300 records
+    (2,048 entries: long probe runs once most hold keys or tombstones), 100 removed once
+    150 are live: every live key stays found under its record."""
+    table = KeyTable(300)
     live: dict[bytes, int] = {}
     for round_ in range(60):
         fresh = [f"{round_}:{i}".encode() for i in range(100)]
-        assert table.find_many(fresh).tolist() == [-1] * 100
-        stamp = table.filings
-        free = sorted(set(range(300)) - set(live.values()))[:100]
-        assert table.add_many(fresh, np.array(free), absent_at=stamp).tolist() == [-1] * 100
-        live.update(zip(fresh, free))
+        free = np.array(sorted(set(range(300)) - set(live.values()))[:100])
+        file(table, fresh, live, free)
+        live.update(zip(fresh, free.tolist()))
         gone = list(live)[:100] if len(live) > 150 else []
         table.remove_many(np.array([live.pop(k) for k in gone], dtype=np.intp))
     assert len(table) == len(live)
     assert table.find_many(list(live)).tolist() == list(live.values())
     assert sorted(table.items()) == sorted(live.items())
+
+
+def test_keys_a_lookup_found_absent_go_into_the_first_free_entries_and_are_found() -> None:
+    def file(table: KeyTable, fresh: list[bytes], live: dict[bytes, int], free: np.ndarray):
+        assert table.find_many(fresh).tolist() == [-1] * 100
+        stamp = table.filings
+        assert table.add_many(fresh, free, absent_at=stamp).tolist() == [-1] * 100
+
+    churn(file)
 
 
 def test_a_filing_since_the_lookup_voids_its_word_and_the_keys_are_looked_for_again() -> None:
@@ -133,22 +148,14 @@ def test_a_filing_since_the_lookup_voids_its_word_and_the_keys_are_looked_for_ag
 
 
 def test_keys_a_probe_found_absent_are_filed_where_it_found_room_and_are_found() -> None:
-    table = KeyTable(300)
-    live: dict[bytes, int] = {}
-    for round_ in range(60):
-        # Some of each batch are filed already: only the absent ones are filed.
-        batch = [f"{round_}:{i}".encode() for i in range(100)] + list(live)[:20]
+    def file(table: KeyTable, fresh: list[bytes], live: dict[bytes, int], free: np.ndarray):
+        batch = fresh + list(live)[:20]  # some filed already: only the absent ones are filed
         probe = table.probe(batch)
         assert probe.found.tolist() == [-1] * 100 + [live[k] for k in batch[100:]]
-        free = sorted(set(range(300)) - set(live.values()))[:100]
         absent = np.flatnonzero(probe.found < 0)
-        assert table.add_probed(probe, absent, np.array(free)).tolist() == [-1] * 100
-        live.update(zip(batch[:100], free))
-        gone = list(live)[20:120] if len(live) > 150 else []
-        table.remove_many(np.array([live.pop(k) for k in gone], dtype=np.intp))
-    assert len(table) == len(live)
-    assert table.find_many(list(live)).tolist() == list(live.values())
-    assert sorted(table.items()) == sorted(live.items())
+        assert table.add_probed(probe, absent, free).tolist() == [-1] * 100
+
+    churn(file)
 
 
 def test_a_probe_is_not_trusted_once_a_key_was_filed_after_it() -> None:
