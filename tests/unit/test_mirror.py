@@ -74,6 +74,22 @@ def test_the_mirror_snapshots_the_index_and_publishes_commits_and_removals() -> 
     assert 0 < mirror.fill_percent < 100
 
 
+def test_commits_of_one_flush_by_views_and_by_arrays_are_published_together() -> None:
+    idx = index()
+    buf = written([])
+    replayed, _ = recover(idx, buf, LOG)
+    idx.journal = Mirror(buf, idx, replayed.g3, group=3, log=LOG)
+    fill = idx.add_fills([b"two", b"three"], now=0.0)
+    block = idx.add_filling(b"one", now=0.0)
+    idx.commit_fills(fill, None)  # both buffered until the flush
+    idx.commit(block, score=0.0)
+    idx.flush_journal()
+    assert journal.read(buf).state == {
+        b"one": journal.Residency(journal.PUT_G2, block.slots),
+        **{b.key: journal.Residency(journal.PUT_G2, b.slots) for b in fill.views()},
+    }
+
+
 def test_a_key_the_journal_cannot_hold_is_served_but_not_recoverable() -> None:
     idx = index()
     buf = memoryview(bytearray(SIZE))

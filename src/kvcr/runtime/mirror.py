@@ -95,7 +95,8 @@ class Mirror(journal.Writer):
         if self._removed:
             self._drain()
         self._put_keys.extend(keys)
-        self._put_slots.append(slots)
+        # One dtype for all: numpy would join uint64 and int64 arrays as float64.
+        self._put_slots.append(np.asarray(slots, dtype=np.uint64))
 
     def removed(self, key: BlockKey) -> None:
         if self._put_keys:
