@@ -405,8 +405,9 @@ class KeyTable:
         """:meth:`add_many` for keys of ``probe`` it found absent (``absent``: their indices
         in it, distinct keys), each under its record in ``recs``. If nothing was filed
         since the probe and the table was not rebuilt, each goes into the free entry the
-        probe found for it (where none was found, or two wanted one entry, the first free
-        one from its home): no probe again."""
+        probe found for it (of two that wanted one entry, the other into the next free one;
+        a key the probe found none for, into the first free one from its home): no probe
+        again."""
         lay, n = self._lay, len(absent)
         if (
             probe.free is None
@@ -424,21 +425,11 @@ class KeyTable:
         if k < lay.width // 8:
             lay.words[recs, k:] = 0
         self.lens[recs] = probe.codes.take(absent)
-        hashes, target = probe.hashes.take(absent), probe.free.take(absent)
-        slots = lay.slots
-        was = slots.take(target)  # -1 (no entry found) reads the last entry: not placed
-        placed = (target >= 0) & (was < 0)
-        at, mine = target[placed], recs[placed]
-        # Several may want one entry: each writes, one write stays, it won.
-        slots[at] = mine
-        won = slots.take(at) == mine
-        lay.tags[at[won]] = (hashes[placed][won] >> _U64_32).astype(np.uint32)
-        self._entry[mine[won]] = at[won]
-        used = int(np.count_nonzero(was[placed][won] == EMPTY))
-        rest = np.ones(n, dtype=bool)
-        rest[np.flatnonzero(placed)[won]] = False
-        if rest.any():
-            used += self._place_absent(lay, recs[rest], hashes[rest])
+        hashes, free = probe.hashes.take(absent), probe.free.take(absent)
+        # From the free entry the probe found (the entries before it hold keys or
+        # tombstones), else from the key's home.
+        start = np.where(free >= 0, free, (hashes & np.uint64(lay.mask)).astype(np.intp))
+        used = self._place_absent(lay, recs, hashes, start)
         self._count += n
         self._used += used
         return np.full(n, -1, dtype=np.intp)
@@ -540,13 +531,16 @@ class KeyTable:
             todo, pos, tag, free = todo[keep], pos[keep], tag[keep], free[keep]
         return holders, used
 
-    def _place_absent(self, lay: _Layout, recs: np.ndarray, hashes: np.ndarray) -> int:
+    def _place_absent(
+        self, lay: _Layout, recs: np.ndarray, hashes: np.ndarray, start: np.ndarray | None = None
+    ) -> int:
         """:meth:`_place` for distinct keys known absent: each into the first free entry
         (a tombstone or empty) of its probe sequence, as it is met; no key is compared, and
-        the search ends there, not at the first empty entry. Returns how many empty entries
-        were used."""
+        the search ends there, not at the first empty entry. ``start``: where each key's
+        search begins (None: its home; a later entry only if none before it is empty).
+        Returns how many empty entries were used."""
         slots, mask = lay.slots, lay.mask
-        pos = (hashes & np.uint64(mask)).astype(np.intp)
+        pos = (hashes & np.uint64(mask)).astype(np.intp) if start is None else start
         tag = (hashes >> _U64_32).astype(np.uint32)
         todo, used = recs, 0
         while len(todo):
