@@ -86,6 +86,23 @@ def test_removal_leaves_the_others_found_and_replace_moves_a_key() -> None:
         table.remove(3)
 
 
+@pytest.mark.parametrize("length", [8, 16, 24, 32, 40, 64])
+def test_a_batch_finds_keys_at_their_home_entry_past_it_and_behind_tombstones(length: int) -> None:
+    # 400 records in 2,048 entries, half of them removed and refilled: many keys sit past
+    # their home entry or behind a tombstone there. A batch of one key length is read a row
+    # at a time (lengths of 1, 2, 4 or 8 words) or word by word (3 and 5).
+    table = KeyTable(400, width=length)
+    first = [i.to_bytes(2, "little") * (length // 2) for i in range(400)]
+    table.add_many(first, np.arange(400))
+    table.remove_many(np.arange(0, 400, 2))
+    refill = [(i + 1000).to_bytes(2, "little") * (length // 2) for i in range(0, 400, 2)]
+    table.add_many(refill, np.arange(0, 400, 2))
+    live = dict(zip(first[1::2], range(1, 400, 2))) | dict(zip(refill, range(0, 400, 2)))
+    gone = first[::2]
+    batch = [*live, *gone]
+    assert table.find_many(batch).tolist() == [*live.values()] + [-1] * len(gone)
+
+
 def test_churn_reuses_tombstones_so_the_table_is_not_rebuilt_and_loses_nothing() -> None:
     table = KeyTable(100)
     rebuilds: list[int] = []

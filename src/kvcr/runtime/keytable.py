@@ -84,6 +84,27 @@ def _hash_rows(words: np.ndarray, codes: np.ndarray) -> np.ndarray:
     return x
 
 
+# Per k: the word that k bools fill, and its value when they are all True.
+_ALL_TRUE = {
+    k: (dtype, dtype(int.from_bytes(b"\x01" * k, "little")))
+    for k, dtype in ((1, np.uint8), (2, np.uint16), (4, np.uint32), (8, np.uint64))
+}
+
+
+def _rows_equal(rows: np.ndarray, mine: np.ndarray) -> np.ndarray:
+    """Which rows of ``rows`` (n x at least k uint64 words) begin with the same row of
+    ``mine`` (n x k). For k of 1, 2, 4 or 8 the n x k comparison is read as one word a row,
+    as :func:`_any_in_rows` does (``all(axis=1)`` costs several times more)."""
+    equal = rows[:, : mine.shape[1]] == mine
+    as_word = _ALL_TRUE.get(mine.shape[1])
+    if as_word is None:
+        every: np.ndarray = equal.all(axis=1)
+        return every
+    dtype, all_true = as_word
+    every = equal.view(dtype).ravel() == all_true
+    return every
+
+
 def _any_in_rows(mask: np.ndarray) -> np.ndarray:
     """``mask.any(axis=1)`` for a fresh n x WINDOW bool array, read as one word a row
     (numpy's reduction along a short axis costs several times more)."""
@@ -287,7 +308,10 @@ class KeyTable:
         pos = (hashes & np.uint64(lay.mask)).astype(np.intp)
         tag = (hashes >> _U64_32).astype(np.uint32)
         free = np.empty(0, dtype=np.intp) if keep else None  # set in the first round
-        todo = np.arange(n)
+        if keep:
+            todo = np.arange(n)
+        else:
+            todo, pos, tag = self._match_homes(lay, found, pos, tag, words, codes)
         while len(todo) > PYTHON_TAIL:
             at = pos[:, None] + _STEPS  # wrapped by the takes
             held = lay.slots.take(at, mode="wrap")
@@ -311,6 +335,33 @@ class KeyTable:
             return Probe(keys, found, filings)  # digests and too-wide keys: add_many's way
         return Probe(keys, found, filings, lay, words, codes, hashes, free)
 
+    def _match_homes(
+        self,
+        lay: _Layout,
+        found: np.ndarray,
+        home: np.ndarray,
+        tag: np.ndarray,
+        words: np.ndarray,
+        codes: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A lookup's first round, at each key's home entry alone: most keys that have a
+        record are filed there (the table is at most a quarter full: ~88 % of them), and
+        most that have none find it empty. One entry a key, not a window: ~20 % less for a
+        batch of present keys. Sets ``found`` for the keys it finds; returns the others
+        that must read on (their indices, and the entry after their home, and their tags)."""
+        held = lay.slots.take(home)
+        both = np.flatnonzero((lay.tags.take(home) == tag) & (held >= 0))
+        rec = held.take(both)
+        same = (self.lens.take(rec) == codes.take(both)) & _rows_equal(
+            lay.words.take(rec, axis=0), words.take(both, axis=0)
+        )
+        hit = both[same]
+        found[hit] = rec[same]
+        going = held != EMPTY
+        going[hit] = False
+        todo = np.flatnonzero(going)
+        return todo, (home.take(todo) + 1) & lay.mask, tag.take(todo)
+
     def _matches(
         self,
         lay: _Layout,
@@ -332,10 +383,9 @@ class KeyTable:
         if not live.all():
             both, rec = both[live], rec[live]
         i = both // WINDOW
-        same = self.lens.take(rec) == codes.take(i)
-        mine = words.take(i, axis=0)
-        for j in range(words.shape[1]):  # by column: one word for an 8-byte key
-            same &= lay.words[rec, j] == mine[:, j]
+        same = (self.lens.take(rec) == codes.take(i)) & _rows_equal(
+            lay.words.take(rec, axis=0), words.take(i, axis=0)
+        )
         return i[same], rec[same]
 
     def key(self, rec: int) -> bytes:
