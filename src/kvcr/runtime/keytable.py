@@ -305,24 +305,23 @@ class KeyTable:
         lay = self._lay
         words, codes = self._identities(keys, lay.width)
         hashes = _hash_rows(words, codes)
-        pos = (hashes & np.uint64(lay.mask)).astype(np.intp)
+        home = (hashes & np.uint64(lay.mask)).astype(np.intp)
         tag = (hashes >> _U64_32).astype(np.uint32)
-        free = np.empty(0, dtype=np.intp) if keep else None  # set in the first round
-        if keep:
-            todo = np.arange(n)
-        else:
-            todo, pos, tag = self._match_homes(lay, found, pos, tag, words, codes)
+        todo, pos, tag, at_home = self._match_homes(lay, found, home, tag, words, codes)
+        # For filing the absent ones: each key's first free entry, its home or one of the
+        # window after it (nearly all have one there: the others are filed from home).
+        free = np.where(at_home < 0, home, -1) if keep else None
+        first_window = True
         while len(todo) > PYTHON_TAIL:
             at = pos[:, None] + _STEPS  # wrapped by the takes
             held = lay.slots.take(at, mode="wrap")
             i, rec = self._matches(lay, at, held, tag, words[todo], codes[todo])
             found[todo[i]] = rec
-            if free is not None and len(todo) == n:
-                # The first free entry of the first window, if it has one (nearly all do:
-                # the others are filed from their home).
+            if free is not None and first_window:
                 open_ = held < 0
-                entry = (pos + open_.argmax(axis=1)) & lay.mask
-                free = np.where(_any_in_rows(open_), entry, -1)
+                entry = np.where(_any_in_rows(open_), (pos + open_.argmax(axis=1)) & lay.mask, -1)
+                free[todo] = np.where(free[todo] >= 0, free[todo], entry)
+            first_window = False
             # Keys whose window had neither their record nor an empty entry read on.
             going = ~_any_in_rows(held == EMPTY)
             going[i] = False
@@ -331,7 +330,7 @@ class KeyTable:
         for i, p, t in zip(todo.tolist(), pos.tolist(), tag.tolist()):
             row = words[i].tobytes() + bytes(lay.width - 8 * words.shape[1])
             found[i] = self._probe(lay, row, int(codes[i]), p, t)
-        if free is None or len(free) != n or (codes >= ABSENT).any():
+        if free is None or (codes >= ABSENT).any():
             return Probe(keys, found, filings)  # digests and too-wide keys: add_many's way
         return Probe(keys, found, filings, lay, words, codes, hashes, free)
 
@@ -343,12 +342,13 @@ class KeyTable:
         tag: np.ndarray,
         words: np.ndarray,
         codes: np.ndarray,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """A lookup's first round, at each key's home entry alone: most keys that have a
         record are filed there (the table is at most a quarter full: ~88 % of them), and
         most that have none find it empty. One entry a key, not a window: ~20 % less for a
         batch of present keys. Sets ``found`` for the keys it finds; returns the others
-        that must read on (their indices, and the entry after their home, and their tags)."""
+        that must read on (their indices, the entry after their home, their tags) and what
+        each key's home entry held."""
         held = lay.slots.take(home)
         both = np.flatnonzero((lay.tags.take(home) == tag) & (held >= 0))
         rec = held.take(both)
@@ -360,7 +360,7 @@ class KeyTable:
         going = held != EMPTY
         going[hit] = False
         todo = np.flatnonzero(going)
-        return todo, (home.take(todo) + 1) & lay.mask, tag.take(todo)
+        return todo, (home.take(todo) + 1) & lay.mask, tag.take(todo), held
 
     def _matches(
         self,
