@@ -9,8 +9,9 @@ maps a hash of the row to the record. A key longer than ``MAX_WIDTH`` is filed u
 BLAKE2b digest (length code :data:`DIGEST`), the key itself kept aside by record: engines'
 keys are content hashes of 8-32 bytes, so that path is for odd callers only.
 
-Batches (a query, a deposit, a replayed journal frame) are probed with numpy, one round per
-probe step for all keys at once; a single key is probed in Python with the same hash.
+Batches (a query, a deposit, a replayed journal frame) are probed with numpy: each key's home
+entry first (most keys are settled there), then a window of entries a round for the others,
+all keys at once; a single key is probed in Python with the same hash.
 
 Removal leaves a tombstone; insertion goes only into empty entries, so every key already in
 the table lies before the first empty entry of its probe sequence and an insertion finds it
