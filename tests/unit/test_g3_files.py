@@ -223,3 +223,64 @@ def test_garbage_in_the_record_area_never_vouches_for_a_slot(
         assert record is None or record == Record(5, key_digest(b"real"))
     finally:
         g3.close()
+
+
+# --- files named after their instance ({agent}), without a guard: removed when it ends ----
+
+
+def agent_files(tmp_path: Path, agent: str, *, ephemeral: bool = True) -> G3Files:
+    template = tmp_path / "g3" / "kv-{agent}.bin"
+    return G3Files(
+        (tmp_path / "g3" / f"kv-{agent}.bin",),
+        BLOCK * 4,
+        BLOCK,
+        templates=(template,),
+        ephemeral=ephemeral,
+    )
+
+
+def test_a_dead_instances_file_is_removed_by_the_next_and_a_live_ones_kept(tmp_path) -> None:
+    agent_files(tmp_path, "dead", ephemeral=False).close()  # as after a SIGKILL: left behind
+    live = agent_files(tmp_path, "live")
+    try:
+        assert live.removed_orphans == [tmp_path / "g3" / "kv-dead.bin"]
+        newer = agent_files(tmp_path, "newer")  # "live" holds its lock: kept
+        assert newer.removed_orphans == []
+        assert sorted(p.name for p in (tmp_path / "g3").iterdir()) == [
+            "kv-live.bin",
+            "kv-newer.bin",
+        ]
+        newer.close()
+    finally:
+        live.close()
+    # Each removed its own file at close.
+    assert list((tmp_path / "g3").iterdir()) == []
+
+
+def test_only_g3_files_are_removed_never_other_or_empty_files_the_glob_matches(tmp_path) -> None:
+    (tmp_path / "g3").mkdir()
+    notes = tmp_path / "g3" / "kv-notes.bin"
+    notes.write_bytes(b"not a G3 file, but long enough to hold a header" * 4)
+    creating = tmp_path / "g3" / "kv-creating.bin"
+    creating.touch()  # a file another instance may be about to lock
+    g3 = agent_files(tmp_path, "me")
+    try:
+        assert g3.removed_orphans == []
+        assert notes.exists() and creating.exists()
+    finally:
+        g3.close()
+
+
+def test_a_file_is_kept_at_close_with_a_guard_or_a_name_not_of_the_instance(tmp_path) -> None:
+    agent_files(tmp_path, "guarded", ephemeral=False).close()
+    plain = G3Files((tmp_path / "plain.bin",), BLOCK * 4, BLOCK, ephemeral=True)
+    plain.close()
+    assert (tmp_path / "g3" / "kv-guarded.bin").exists()
+    assert (tmp_path / "plain.bin").exists()
+    # A guarded instance never sweeps either: the journal may still name those files.
+    guarded = agent_files(tmp_path, "other", ephemeral=False)
+    try:
+        assert guarded.removed_orphans == []
+        assert (tmp_path / "g3" / "kv-guarded.bin").exists()
+    finally:
+        guarded.close()

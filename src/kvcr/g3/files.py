@@ -28,8 +28,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import glob
 import hashlib
 import os
+import stat
 import struct
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
@@ -47,6 +49,9 @@ FILE_HEADER = struct.Struct("<IIQQII")  # magic, version, block size, slots, ind
 RECORD = struct.Struct("<IQ16sI")  # magic, generation, key digest, data crc (0: none)
 RECORD_SIZE = 64
 CRC = struct.Struct("<I")
+
+
+AGENT = "{agent}"
 
 
 class G3FileError(OSError):
@@ -117,9 +122,13 @@ class G3Files:
         block: int,
         *,
         templates: Sequence[Path] | None = None,
+        ephemeral: bool = False,
     ):
         """``templates``: ``G3Options.paths`` as configured, before expansion (for
-        messages; by default the paths themselves)."""
+        messages; by default the paths themselves). ``ephemeral``: no guard keeps a journal
+        of these files, so nothing reads them once this instance ends; a file whose template
+        names the instance (``{agent}``) is then removed at :meth:`close`, and the files
+        that template named for instances that died are removed here (:func:`orphans`)."""
         if capacity_bytes_per_file % block or block % PAGE:
             raise ValueError(
                 f"G3: capacity {capacity_bytes_per_file} must be whole blocks of {block} bytes "
@@ -132,9 +141,18 @@ class G3Files:
         # Per file, the records this process wrote or verified, laid out as on disk (record
         # of local slot i at i * RECORD_SIZE); all zeros: nothing expected.
         self._expected: list[bytearray] = []
+        names = paths if templates is None else templates
+        # The files this instance removes at close, and the ones it removed now.
+        self._ephemeral = {
+            Path(path)
+            for path, t in zip(paths, names, strict=True)
+            if ephemeral and AGENT in str(t)
+        }
+        self.removed_orphans: list[Path] = []
         try:
-            names = paths if templates is None else templates
             for index, (path, template) in enumerate(zip(paths, names, strict=True)):
+                if Path(path) in self._ephemeral:
+                    self.removed_orphans += remove_orphans(Path(template), Path(path))
                 self.files.append(self._open(Path(path), index, len(paths), Path(template)))
                 self._expected.append(bytearray(RECORD_SIZE * self.slots_per_file))
         except BaseException:
@@ -356,7 +374,61 @@ class G3Files:
         return slot in self.check_many({slot: (key, generation)})
 
     def close(self) -> None:
+        """Close the files (dropping their locks); an ephemeral file is removed first,
+        while its lock still says it is ours."""
         files, self.files = self.files, []
         for f in files:
+            if f.path in self._ephemeral:
+                with contextlib.suppress(OSError):
+                    if _same_file(f.path, f.identity):
+                        os.unlink(f.path)
             with contextlib.suppress(OSError):
                 os.close(f.fd)  # closing drops the lock
+
+
+def _same_file(path: Path, identity: tuple[int, int]) -> bool:
+    st = os.stat(path, follow_symlinks=False)
+    return (st.st_dev, st.st_ino) == identity
+
+
+def remove_orphans(template: Path, own: Path) -> list[Path]:
+    """Remove the G3 files that ``template`` (with ``{agent}``) named for instances that are
+    gone; return them.
+
+    Without a guard nothing reads a G3 file once its instance ends: the index that knew its
+    slots ended with it. An engine that names its agents afresh at every start (vLLM's
+    adapter: ``KVCR-<uuid>``) gets a new file each time, and an instance that is killed (as
+    vLLM 0.32 kills its engine core at shutdown) never removes its own: without this, each
+    restart would leave ``capacity_bytes_per_file`` behind. A file is removed only if it
+    is a regular, non-empty file with a G3 header and nobody holds its lock: a live
+    instance holds its files' locks from before it writes the header to its end, and a file
+    still empty may be one being created (its lock is not ours to take)."""
+    pattern = "*".join(glob.escape(part) for part in str(template).split(AGENT))
+    removed: list[Path] = []
+    for name in sorted(glob.glob(pattern)):
+        path = Path(name)
+        if path == own:
+            continue
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size < FILE_HEADER.size:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live instance's file
+            head = os.pread(fd, FILE_HEADER.size, 0)
+            if struct.unpack_from("<I", head)[0] != FILE_MAGIC:
+                continue  # not a G3 file: the template's glob matched something else
+            if _same_file(path, (st.st_dev, st.st_ino)):
+                os.unlink(path)
+                removed.append(path)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed

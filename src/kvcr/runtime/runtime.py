@@ -238,6 +238,8 @@ class Runtime(Part):
                 opts.capacity_bytes_per_file,
                 self.memory.block_sizes[0],
                 templates=templates,
+                # Without a guard's journal no later instance reads these files.
+                ephemeral=self.journal is None,
             )
             try:
                 transport = NixlFileTransport(
@@ -256,6 +258,7 @@ class Runtime(Part):
             "g3_paths",
             templates=[str(t) for t in templates],
             files=[str(f.path) for f in files.files],
+            orphans_removed=[str(p) for p in files.removed_orphans],
         )
         transfers = Transfers(transport, self.log, fine, busy=True)
         root.start_soon(transfers.run)
