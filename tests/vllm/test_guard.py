@@ -13,12 +13,11 @@ from collections.abc import Iterator
 import pytest
 from tiny_model import BLOCK_BYTES, BLOCK_TOKENS
 
-from conftest import SHM, counter, free_port, kvcr_tier, prompt
+from conftest import BLOCKS, SHM, counter, free_port, kvcr_tier, prompt
 from procs import GuardProcess, wait_until
 
 pytestmark = pytest.mark.vllm
 
-BLOCKS = "vllm:kvcr_transfer_blocks"
 POOL_BLOCKS = 64
 
 

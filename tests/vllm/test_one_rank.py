@@ -7,14 +7,9 @@ from __future__ import annotations
 import pytest
 from tiny_model import BLOCK_BYTES, BLOCK_TOKENS
 
-from conftest import counter, free_port, kvcr_tier, prompt
+from conftest import BLOCKS, BYTES, TIER_READ, TIER_WRITE, counter, free_port, kvcr_tier, prompt
 
 pytestmark = pytest.mark.vllm
-
-FILL = "vllm:kvcr_transfer_bytes"
-BLOCKS = "vllm:kvcr_transfer_blocks"
-TIER_WRITE = "vllm:kv_offload_tiering_write_bytes"
-TIER_READ = "vllm:kv_offload_tiering_read_bytes"
 
 
 def test_an_evicted_prompt_comes_back_from_kvcr_g2(engines) -> None:
@@ -34,13 +29,13 @@ def test_an_evicted_prompt_comes_back_from_kvcr_g2(engines) -> None:
 
     def settled(stats: dict) -> bool:
         return counter(stats, 0, TIER_READ, "1:kvcr") == counter(
-            stats, 0, FILL, "local_deliver"
-        ) > 0 and counter(stats, 0, TIER_WRITE, "1:kvcr") == counter(stats, 0, FILL, "local_fill")
+            stats, 0, BYTES, "local_deliver"
+        ) > 0 and counter(stats, 0, TIER_WRITE, "1:kvcr") == counter(stats, 0, BYTES, "local_fill")
 
     stats = engine.wait_stats(settled, "kvcr's bytes equal to the tier's")
     delivered = counter(stats, 0, BLOCKS, "local_deliver")
     # Every cached block of the second run came out of kvcr: neither vLLM tier had any.
     assert delivered == again["cached"] // BLOCK_TOKENS
-    assert counter(stats, 0, FILL, "local_deliver") == delivered * BLOCK_BYTES
+    assert counter(stats, 0, BYTES, "local_deliver") == delivered * BLOCK_BYTES
     filled = counter(stats, 0, BLOCKS, "local_fill")
-    assert filled >= 40 and counter(stats, 0, FILL, "local_fill") == filled * BLOCK_BYTES
+    assert filled >= 40 and counter(stats, 0, BYTES, "local_fill") == filled * BLOCK_BYTES

@@ -13,14 +13,9 @@ from __future__ import annotations
 import pytest
 from tiny_model import BLOCK_BYTES, BLOCK_TOKENS
 
-from conftest import counter, free_port, kvcr_tier, prompt
+from conftest import BLOCKS, BYTES, DURATIONS, TIER_READ, counter, free_port, kvcr_tier, prompt
 
 pytestmark = pytest.mark.vllm
-
-BYTES = "vllm:kvcr_transfer_bytes"
-BLOCKS = "vllm:kvcr_transfer_blocks"
-DURATIONS = "vllm:kvcr_duration_seconds_count"
-TIER_READ = "vllm:kv_offload_tiering_read_bytes"
 
 
 def test_rank_1_reuses_rank_0s_prefix_through_a_hint(engines) -> None:
