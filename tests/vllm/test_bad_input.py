@@ -16,8 +16,8 @@ import uuid
 
 import pytest
 from tiny_model import BLOCK_BYTES
+from vllm_harness import SHM, free_port, kvcr_tier, port_is_free
 
-from conftest import SHM, free_port, kvcr_tier, port_is_free
 from procs import GuardProcess
 
 pytestmark = pytest.mark.vllm

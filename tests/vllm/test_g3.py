@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 from tiny_model import BLOCK_BYTES, BLOCK_TOKENS
-
-from conftest import BLOCKS, BYTES, TIER_READ, counter, free_port, kvcr_tier, prompt
+from vllm_harness import BLOCKS, BYTES, TIER_READ, counter, free_port, kvcr_tier, prompt
 
 pytestmark = pytest.mark.vllm
 

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 from tiny_model import BLOCK_BYTES, BLOCK_TOKENS
+from vllm_harness import BLOCKS, SHM, counter, free_port, kvcr_tier, prompt
 
-from conftest import BLOCKS, SHM, counter, free_port, kvcr_tier, prompt
 from procs import GuardProcess, wait_until
 
 pytestmark = pytest.mark.vllm

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 from tiny_model import BLOCK_BYTES, BLOCK_TOKENS
-
-from conftest import BLOCKS, BYTES, TIER_READ, TIER_WRITE, counter, free_port, kvcr_tier, prompt
+from vllm_harness import BLOCKS, BYTES, TIER_READ, TIER_WRITE, counter, free_port, kvcr_tier, prompt
 
 pytestmark = pytest.mark.vllm
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import pytest
 from tiny_model import BLOCK_BYTES, BLOCK_TOKENS
-
-from conftest import BLOCKS, BYTES, DURATIONS, TIER_READ, counter, free_port, kvcr_tier, prompt
+from vllm_harness import BLOCKS, BYTES, DURATIONS, TIER_READ, counter, free_port, kvcr_tier, prompt
 
 pytestmark = pytest.mark.vllm
 
