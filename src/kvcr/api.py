@@ -31,7 +31,7 @@ from kvcr.runtime.commands import (
     Hinted,
     Release,
 )
-from kvcr.runtime.index import MISS, BlockIndex
+from kvcr.store.index import MISS, BlockIndex
 from kvcr.types import (
     BlockKey,
     CacheTier,

@@ -20,11 +20,11 @@ from fuzzing import case, fuzz
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from kvcr.guard import journal
-from kvcr.guard.journal import FRAME_HEAD, FRAME_MAGIC, Follower, Writer, read
 from kvcr.logs import get_logger
-from kvcr.runtime.index import BlockIndex, SlotPool
 from kvcr.runtime.mirror import recover
+from kvcr.store import journal
+from kvcr.store.index import BlockIndex, SlotPool
+from kvcr.store.journal import FRAME_HEAD, FRAME_MAGIC, Follower, Writer, read
 
 SMALL = journal.DATA_START + 2 * 4096  # the smallest journal: compaction happens often
 LOG = get_logger("kvcr.test")

@@ -16,12 +16,12 @@ from damage import KINDS
 from damage import damage as damage_file
 from g3_moves import read, store
 from kvcr.g3.files import G3Files
-from kvcr.guard import journal
 from kvcr.logs import get_logger
 from kvcr.runtime.g3 import FETCHABLE_G3, G3Tier
-from kvcr.runtime.index import BlockIndex, SlotPool
 from kvcr.runtime.mirror import Mirror
 from kvcr.runtime.transfers import Transfers
+from kvcr.store import journal
+from kvcr.store.index import BlockIndex, SlotPool
 from kvcr.transport.base import Segment
 from kvcr.transport.nixl_files import NixlFileTransport
 

@@ -14,10 +14,10 @@ import pytest
 import trio
 
 from guard_world import BLOCK
-from kvcr.guard import journal
 from kvcr.guard.client import KVCRClient
 from kvcr.guard.service import GuardService, ServiceConfig
 from kvcr.logs import capture_events, get_logger
+from kvcr.store import journal
 from kvcr.transport.copier import copy_threads
 from procs import SourceWorker, free_port
 

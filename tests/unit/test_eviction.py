@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcr.runtime.eviction import EvictionQueue
+from kvcr.store.eviction import EvictionQueue
 
 RECS = 12
 scores = st.sampled_from([-math.inf, 0.0, 1.0, 2.0, 2.5, math.inf, math.nan])

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcr.runtime.index import FETCHING, HIT, MISS, BlockIndex, BlockState, SlotPool
+from kvcr.store.index import FETCHING, HIT, MISS, BlockIndex, BlockState, SlotPool
 
 
 def make_index(slots: int = 4, pools: int = 1) -> BlockIndex:

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcr.guard import journal
-from kvcr.guard.journal import PUT_G2, PUT_G3, Residency, Writer, read
+from kvcr.store import journal
+from kvcr.store.journal import PUT_G2, PUT_G3, Residency, Writer, read
 from kvcr.types import RecoveryMirrorError
 
 SIZE = 64 * 1024  # two halves of ~32 KiB

@@ -1,4 +1,4 @@
-"""The key table: block keys -> records with no Python object per key (runtime/keytable.py)."""
+"""The key table: block keys -> records with no Python object per key (store/keytable.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcr.runtime.keytable import MAX_WIDTH, KeyTable
+from kvcr.store.keytable import MAX_WIDTH, KeyTable
 
 
 def recs(*values: int) -> np.ndarray:

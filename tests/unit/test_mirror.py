@@ -3,10 +3,10 @@ blocks; G3 records are kept aside; the mirror then publishes what the index comm
 
 from __future__ import annotations
 
-from kvcr.guard import journal
 from kvcr.logs import capture_events, get_logger
-from kvcr.runtime.index import BlockIndex, BlockState, SlotPool
 from kvcr.runtime.mirror import Mirror, recover
+from kvcr.store import journal
+from kvcr.store.index import BlockIndex, BlockState, SlotPool
 
 SIZE = 64 * 1024
 LOG = get_logger("kvcr.test")

@@ -18,16 +18,16 @@ import attrs
 import trio
 
 from kvcr.guard import protocol as wire
-from kvcr.guard.journal import DictState, Follower, Replay, State
 from kvcr.guard.metrics import GroupTally
 from kvcr.guard.pools import GroupFile, map_group
 from kvcr.guard.procs import close_quietly
 from kvcr.guard.rules import Groups, Lease
 from kvcr.guard.serving import CannotServe, GroupServer, Standby, group_memory
 from kvcr.policy import LRUPolicy
-from kvcr.runtime.index import BlockIndex, slot_pools
 from kvcr.runtime.mirror import Followed, Replayed
 from kvcr.runtime.residency import index_options
+from kvcr.store.index import BlockIndex, slot_pools
+from kvcr.store.journal import DictState, Follower, Replay, State
 
 CONTROL_BACKLOG = 128
 FOLLOW_INTERVAL_S = 0.5

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import attrs
 
-from kvcr.guard import journal
 from kvcr.guard.pools import JOURNAL_BYTES
 from kvcr.guard.protocol import ClaimRequest, G3Description, GroupStatus
+from kvcr.store import journal
 
 # state -> {event: next state}
 TRANSITIONS: dict[str, dict[str, str]] = {

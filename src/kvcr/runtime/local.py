@@ -21,10 +21,10 @@ from typing import Any
 import numpy as np
 import trio
 
-from kvcr.runtime.index import Block, BlockState, Claim, Filling, Found
 from kvcr.runtime.ops import DROPPED, FAILED, SUCCESS, Operation
 from kvcr.runtime.residency import Residency, fill_over, wait_filled
 from kvcr.runtime.transfers import Xfer
+from kvcr.store.index import Block, BlockState, Claim, Filling, Found
 from kvcr.telemetry import SCOPE_G3_DELIVER
 from kvcr.transport.base import TransportError
 from kvcr.types import (

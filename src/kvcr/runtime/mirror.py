@@ -24,8 +24,8 @@ from typing import Any, cast
 import attrs
 import numpy as np
 
-from kvcr.guard import journal
-from kvcr.runtime.index import BlockIndex
+from kvcr.store import journal
+from kvcr.store.index import BlockIndex
 from kvcr.types import BlockKey
 
 

@@ -25,8 +25,8 @@ from kvcr.telemetry import SCOPE_LOCAL_DELIVER, SCOPE_LOCAL_FETCH, SCOPE_LOCAL_F
 from kvcr.types import BlockKey, MemoryRef, OpEntryResult, OpEntryStatus, OpResult, TransferError
 
 if TYPE_CHECKING:
-    from kvcr.runtime.index import Block, Filling
     from kvcr.runtime.peers import RemotePull
+    from kvcr.store.index import Block, Filling
 
 FAILED = OpEntryResult(OpEntryStatus.FAILED)
 DROPPED = OpEntryResult(OpEntryStatus.DROPPED)

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from kvcr.runtime.index import BlockIndex
 from kvcr.runtime.local import LocalG2
 from kvcr.runtime.ops import DROPPED, FAILED, SUCCESS, Operation
 from kvcr.runtime.part import Part
 from kvcr.runtime.peers import Peers, RemotePull
 from kvcr.runtime.residency import fill_over
+from kvcr.store.index import BlockIndex
 from kvcr.transport.base import TransportError
 from kvcr.types import (
     BlockKey,

@@ -18,9 +18,9 @@ import trio
 
 from kvcr.policy import HOOKS as POLICY_HOOKS
 from kvcr.policy import KVCachePolicy
-from kvcr.runtime.index import Block, BlockIndex, BlockState, Claim
 from kvcr.runtime.part import Part
 from kvcr.runtime.transfers import Transfers
+from kvcr.store.index import Block, BlockIndex, BlockState, Claim
 from kvcr.transport.base import Transport
 from kvcr.types import (
     BlockKey,

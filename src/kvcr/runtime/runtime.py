@@ -47,7 +47,6 @@ from kvcr.runtime.commands import (
     Release,
 )
 from kvcr.runtime.g3 import G3Tier
-from kvcr.runtime.index import BlockIndex, Published, slot_pools
 from kvcr.runtime.local import LocalG2
 from kvcr.runtime.mirror import Mirror, recover
 from kvcr.runtime.ops import FAILED, Deadlines, Framework, Operation, RemotePart, record
@@ -59,6 +58,7 @@ from kvcr.runtime.remote import Remote
 from kvcr.runtime.residency import index_options
 from kvcr.runtime.source import Source
 from kvcr.runtime.transfers import Transfers, Xfer
+from kvcr.store.index import BlockIndex, Published, slot_pools
 from kvcr.transport.base import Transport
 from kvcr.types import BlockKey, CacheTier, InventoryEvent, MemoryRef
 

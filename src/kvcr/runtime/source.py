@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING, cast
 import attrs
 import trio
 
-from kvcr.runtime.index import Block, BlockIndex
 from kvcr.runtime.lifecycle import JOB, WRITING, wire_state
 from kvcr.runtime.ops import Deadlines
 from kvcr.runtime.part import Part
 from kvcr.runtime.pins import Pin, Pins
 from kvcr.runtime.transfers import Xfer
+from kvcr.store.index import Block, BlockIndex
 from kvcr.transport import messages as m
 from kvcr.transport.base import TransportError
 from kvcr.types import BlockKey, TransferError

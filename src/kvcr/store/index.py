@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
 
-from kvcr.runtime.eviction import EvictionQueue
-from kvcr.runtime.keytable import KeyTable, Probe
+from kvcr.store.eviction import EvictionQueue
+from kvcr.store.keytable import KeyTable, Probe
 from kvcr.types import BlockKey, CacheTier, QueryStatus
 
 if TYPE_CHECKING:
