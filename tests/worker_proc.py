@@ -134,7 +134,7 @@ def main() -> None:
         "claims": lambda k: runtime.index.get(key(k)).claims,
         "query": lambda ks: [status.name for status, _ in kv.query([key(k) for k in ks])],
         "counters": soak.counters,
-        "dropped": lambda: dict(runtime.peers.dropped),
+        "dropped": lambda: dict(runtime.plane.dropped),
         "callback_threads": lambda: (recorder.threads.calls, list(recorder.threads.wrong)),
         "events": lambda: [(e.op_handle, e.state) for e in recorder.resilience],
     }
@@ -312,16 +312,17 @@ class Soak:
     def _busy(self) -> dict[str, int]:
         """What is still in flight in the instance (all zero once quiet)."""
         rt = self.runtime
-        peers, transfers = rt.peers, rt.transfers
-        assert peers is not None and transfers is not None
+        links, source, pins, transfers = rt.links, rt.source, rt.pins, rt.transfers
+        assert links is not None and source is not None and pins is not None
+        assert transfers is not None
         return {
             "ops": len(rt.ops),
             "open_ops": len(self.runtime.shared.open_ops),
             "transfers": transfers.in_flight,
-            "pulls": peers.pulls_in_flight(),
-            "source_jobs": len(peers.source.jobs),
-            "pins_outstanding": peers.pins.outstanding,
-            "pins_abandoned": peers.pins.abandoned,
+            "pulls": links.pulls_in_flight(),
+            "source_jobs": len(source.jobs),
+            "pins_outstanding": pins.outstanding,
+            "pins_abandoned": pins.abandoned,
             "engine_pins": len(self.pins.pinned),
             "outbox": len(rt.outbox.results) + len(rt.shared.calls.queue),
         }
@@ -353,8 +354,8 @@ class Soak:
     def audit(self) -> dict[str, Any]:
         """The instance's accounting and this process's resources; call once quiet."""
         rt = self.runtime
-        local, peers = rt.local, rt.peers
-        assert local is not None and peers is not None
+        local, links, plane = rt.local, rt.links, rt.plane
+        assert local is not None and links is not None and plane is not None
         for event in self.recorder.inventory:
             if event.tier is CacheTier.LOCAL_G2:
                 keys = {int.from_bytes(k, "big") for k in event.keys}
@@ -384,8 +385,8 @@ class Soak:
             },
             "resilience": events,
             "callbacks_off_thread": list(self.recorder.threads.wrong),
-            "links": len(peers.links),
-            "dropped": dict(peers.dropped),
+            "links": len(links.links),
+            "dropped": dict(plane.dropped),
             "fds": len(os.listdir("/proc/self/fd")),
             "threads": len(os.listdir("/proc/self/task")),
             "rss_kib": rss_kib(),

@@ -31,6 +31,7 @@ from kvcr.runtime.commands import (
     Hinted,
     Release,
 )
+from kvcr.runtime.moves import Untaken
 from kvcr.store.index import MISS, BlockIndex
 from kvcr.types import (
     BlockKey,
@@ -90,8 +91,8 @@ class KVCR:
         self._log = instance.log
         self._op_ids = instance.context.op_ids
         self._open_ops = shared.open_ops
-        # Operations under a "move" hint -> keys whose result the engine has not taken yet.
-        self._moves: dict[int, set[BlockKey]] = {}
+        # Operations under a "move" hint, until the engine has taken all their results.
+        self._moves = Untaken()
         self._live_handles = shared.live_handles
         self._engine = instance.engine
         self._index: BlockIndex = instance.runtime.index
@@ -206,7 +207,8 @@ class KVCR:
         covered = frozenset(k for k in keys if k not in index and self._hint_covers(hint, k))
         if not covered:
             return None
-        return Hinted(hint.source_control_endpoint, request_id, covered, hint.mode, hint.no_retain)
+        move = hint.mode == "move"  # the hint's contract value, checked by RouterHint
+        return Hinted(hint.source_control_endpoint, request_id, covered, move, hint.no_retain)
 
     def _hint_covers(self, hint: RouterHint, key: BlockKey) -> bool:
         if self._opportunistic:
@@ -275,8 +277,8 @@ class KVCR:
     def _follow_move(self, handle: int, keys: list[BlockKey], remote: Hinted | None) -> None:
         """A ``move`` hint's peer may drop its copies only once the engine has every result
         of the operation: :meth:`poll_completed` confirms then (engine thread only)."""
-        if remote is not None and remote.mode == "move":
-            self._moves[handle] = set(keys)
+        if remote is not None and remote.move:
+            self._moves.follow(handle, keys)
 
     def release(self, handles: Iterable[ReleaseHandle]) -> list[ReleaseResult]:
         self._check_open("release")
@@ -306,18 +308,9 @@ class KVCR:
             self._engine.serve()
             taken = [results.popleft() for _ in range(ready)]  # only the turn's holder pops
             if self._moves:
-                self._confirm_moves(taken)
+                for handle in self._moves.taken(taken):
+                    self._commands.put(Confirm(handle))
             return taken
-
-    def _confirm_moves(self, taken: list[OpResult]) -> None:
-        for handle, entries in taken:
-            waiting = self._moves.get(handle)
-            if waiting is None:
-                continue
-            waiting.difference_update(entries)
-            if not waiting:
-                del self._moves[handle]
-                self._commands.put(Confirm(handle))
 
     def abort(self, op_handle: OpHandle, keys: Sequence[BlockKey] | None = None) -> bool:
         self._check_open("abort")

@@ -6,7 +6,7 @@ group) keeps its state as a member of an enum and changes it only through
 the caller and raises :class:`IllegalMove`, naming the record. Tests walk each table
 (``tests/unit/test_transfer_lifecycle.py``, ``test_guard_rules.py``).
 
-States and events are :class:`enum.StrEnum` members, so a state says the same thing in a log
+States and events are :class:`StrEnum` members, so a state says the same thing in a log
 event or on the wire (``ProbeAck.state``, ``GroupStatus.state``) as in the code, and the code
 compares members, never strings.
 """
@@ -18,6 +18,18 @@ from collections.abc import Mapping
 from typing import Generic, TypeVar
 
 import attrs
+
+
+class StrEnum(str, enum.Enum):
+    """A member that reads as its value wherever it is printed or sent (``enum.StrEnum``
+    arrived in Python 3.11; kvcr supports 3.10)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
 
 S = TypeVar("S", bound=enum.Enum)
 E = TypeVar("E", bound=enum.Enum)

@@ -280,8 +280,8 @@ def test_hostile_peer_traffic_leaves_the_source_serving_valid_pulls(data) -> Non
             await share(a, b, [0, 1, 2, 3])
             assert a.engine.statuses(await b.deliver([(0, 10)])) == {key(0): "SUCCESS"}
             ids = {
-                "a": a.runtime.peers.incarnation,
-                "b": b.runtime.peers.incarnation,
+                "a": a.runtime.plane.incarnation,
+                "b": b.runtime.plane.incarnation,
                 "a_ep": a.endpoint,
                 "b_ep": b.endpoint,
                 "mallory_base": mallory.buffer.ctypes.data,
@@ -308,8 +308,8 @@ def test_hostile_peer_traffic_leaves_the_source_serving_valid_pulls(data) -> Non
             # Nothing of the hostile traffic is still held: no claims, no pins, no jobs.
             index = a.runtime.index
             assert all(index.get(key(i)).claims == 0 for i in range(4))
-            assert not a.pins.pinned and not a.runtime.peers.source.jobs
-            assert not a.runtime.peers.source.stalled
+            assert not a.pins.pinned and not a.runtime.source.jobs
+            assert not a.runtime.source.stalled
             assert a.recorder.resilience == [] and b.recorder.resilience == []
             # What was dropped whole is named in the log (one event per kind per instance).
             dropped = {e["kind"] for e in events if e["event"] == "peer_message_dropped"}
@@ -343,7 +343,7 @@ async def test_an_unsolicited_hello_ack_with_a_foreign_incarnation_does_not_swit
     # Before the fix the link took 0xBAD as the source's incarnation, put the real one on
     # its "gone" list, and from then on dropped every answer of the real source.
     def ack(a, b):
-        return m.HelloAck(a.endpoint, 0xBAD, b.runtime.peers.incarnation, "a")
+        return m.HelloAck(a.endpoint, 0xBAD, b.runtime.plane.incarnation, "a")
 
     assert await _pull_after(ack) == {key(1): "SUCCESS"}
 

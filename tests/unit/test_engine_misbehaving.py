@@ -136,7 +136,7 @@ async def test_a_release_refused_for_good_is_reported_and_the_source_keeps_servi
         async with b.running(), a.running():
             pinned, pooled = await pull_pinned_then_pooled(a, b, world)
             await trio.sleep(10)  # ten refusals by now
-            assert a.runtime.peers.pins.outstanding == 2
+            assert a.runtime.pins.outstanding == 2
             # The source closes anyway (first), telling which pins are still out.
 
     assert (pinned, pooled) == ({key(3): "SUCCESS"}, {key(0): "SUCCESS"})

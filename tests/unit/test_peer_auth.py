@@ -133,7 +133,7 @@ async def keyed(monkeypatch, worker: Worker, cluster_key: bytes | None):
 
 
 def dropped(worker: Worker) -> dict[str, int]:
-    return dict(worker.runtime.peers.dropped)
+    return dict(worker.runtime.plane.dropped)
 
 
 async def test_workers_sharing_the_key_pull_with_every_message_sealed(autojump_clock, monkeypatch):
@@ -174,7 +174,7 @@ async def test_an_unauthenticated_pull_is_dropped_and_counted(autojump_clock, mo
         a.engine.write(0, seed=1)
         await a.deposit([(0, 0)])
         mallory = world.hub.channel("tcp://mallory:1")
-        target = a.runtime.peers.incarnation
+        target = a.runtime.plane.incarnation
         dst = m.Pull.pack([(0x1000, 4096)])
         pull = m.Pull("tcp://mallory:1", 5, target, 1, [key(0)], 1, dst)
         for _ in range(3):
@@ -204,7 +204,7 @@ async def test_a_replayed_pull_is_dropped_and_writes_nothing_twice(autojump_cloc
 
         assert dropped(a) == {"replayed": 1}
         assert len(a.transport.posted) == writes  # the deposit and the one write
-        assert not a.runtime.peers.source.jobs
+        assert not a.runtime.source.jobs
 
 
 async def test_a_pull_duplicated_on_the_wire_is_served_once_and_the_copy_counted(

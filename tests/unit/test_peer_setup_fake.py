@@ -26,7 +26,7 @@ def statuses(entries: dict) -> dict:
 
 
 def source_incarnation(worker: Worker) -> int:
-    return worker.runtime.peers.incarnation
+    return worker.runtime.plane.incarnation
 
 
 async def test_a_greeting_acknowledged_in_one_batch_with_another_incarnations_answer_holds(
@@ -67,7 +67,7 @@ async def test_a_pull_refused_for_want_of_a_greeting_greets_again_and_goes_once_
         await share(a, b, [0])
         # The source lost our metadata (say a guard that took over the endpoint while our
         # greeting was in flight): it refuses the pull, unread.
-        a.runtime.peers.source.agents_by_incarnation.clear()
+        a.runtime.source.agents_by_incarnation.clear()
 
         with capture_events() as events:
             entries = await b.deliver([(0, 10)])
@@ -87,14 +87,16 @@ async def test_a_pull_refused_twice_is_not_asked_a_third_time(autojump_clock: An
     a, b = Worker(world, "a"), Worker(world, "b")
     async with a.running(), b.running():
         await share(a, b, [0])
-        source = a.runtime.peers.source
+        source = a.runtime.source
         take_pull = source.on_pull
 
         def forgetful(msg: m.Pull) -> None:  # forgets every greeting before each pull
             source.agents_by_incarnation.clear()
             take_pull(msg)
 
-        source.on_pull = forgetful
+        sides = a.runtime.plane.sides
+        assert sides is not None
+        sides.handlers[m.Pull] = forgetful
 
         entries = await b.deliver([(0, 10)])
 

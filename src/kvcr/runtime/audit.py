@@ -3,19 +3,32 @@
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING
 
-from kvcr.store.index import BlockState
+from kvcr.runtime.links import Links
+from kvcr.runtime.local import LocalG2
+from kvcr.runtime.ops import Operation
+from kvcr.runtime.pins import Pins
+from kvcr.runtime.source import Source
+from kvcr.runtime.transfers import Transfers
+from kvcr.store.index import BlockIndex, BlockState
+from kvcr.transport.base import Transport
 
-if TYPE_CHECKING:
-    from kvcr.runtime.runtime import Runtime
 
-
-def audit(runtime: Runtime) -> list[str]:
+def audit(
+    *,
+    index: BlockIndex,
+    transfers: Transfers[Transport] | None,
+    local: LocalG2 | None,
+    live_handles: set[int],
+    ops: dict[int, Operation],
+    links: Links | None,
+    source: Source | None,
+    pins: Pins | None,
+) -> list[str]:
     """Memory held that nobody owns, once the runtime is quiet (no transfer, pull or
     source write in flight): slots outside the index, claims without a release handle,
     pins not handed back. Internal: for tests and debugging; empty means clean."""
-    slots = runtime.index.audit()
+    slots = index.audit()
     problems = [
         f"{slots[what]} {meaning}"
         for what, meaning in (
@@ -25,10 +38,10 @@ def audit(runtime: Runtime) -> list[str]:
         )
         if slots[what]
     ]
-    if runtime.transfers is not None and runtime.transfers.in_flight:
-        problems.append(f"{runtime.transfers.in_flight} transfers in flight")
-    holders = collections.Counter(runtime.local.handles.values()) if runtime.local else {}
-    for block in runtime.index.blocks():
+    if transfers is not None and transfers.in_flight:
+        problems.append(f"{transfers.in_flight} transfers in flight")
+    holders = collections.Counter(local.handles.values()) if local else {}
+    for block in index.blocks():
         key = block.key
         if block.claims != holders.get(key, 0):
             problems.append(
@@ -36,15 +49,14 @@ def audit(runtime: Runtime) -> list[str]:
             )
         if block.state is not BlockState.READY:
             problems.append(f"key {key!r}: still filling")
-    if runtime.local is not None and set(runtime.local.handles) != runtime.shared.live_handles:
+    if local is not None and set(local.handles) != live_handles:
         problems.append("release handles: the runtime's and the facade's differ")
-    if runtime.ops:
-        problems.append(f"{len(runtime.ops)} operations still open")
-    if runtime.peers is not None:
-        if runtime.peers.pulls_in_flight():
-            problems.append(f"{runtime.peers.pulls_in_flight()} pulls in flight")
-        if runtime.peers.source.jobs:
-            problems.append(f"{len(runtime.peers.source.jobs)} source jobs open")
-        if runtime.peers.pins.outstanding:
-            problems.append(f"{runtime.peers.pins.outstanding} engine pins outstanding")
+    if ops:
+        problems.append(f"{len(ops)} operations still open")
+    if links is not None and links.pulls_in_flight():
+        problems.append(f"{links.pulls_in_flight()} pulls in flight")
+    if source is not None and source.jobs:
+        problems.append(f"{len(source.jobs)} source jobs open")
+    if pins is not None and pins.outstanding:
+        problems.append(f"{pins.outstanding} engine pins outstanding")
     return problems

@@ -7,36 +7,28 @@ dead worker's pool group, as a task of the service's supervisor nursery).
 
 What a runtime is made of falls into two values:
 
-- :class:`Context`: what every part reads and nobody changes (config, memory map, policy,
-  options, log, id sources). Parts take it instead of a dozen arguments each.
-- :class:`Shared`: what crosses the boundary between the engine's threads and the runtime's,
-  each piece with one writer per direction (see its fields). Nothing else crosses it.
+- :class:`~kvcr.runtime.context.Context`: what the runtime reads and nobody changes;
+- :class:`~kvcr.runtime.context.Shared`: what the engine's threads and the runtime's share.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 
 from kvcr.bindings import NOTIFIED, KVCRBindings
-from kvcr.config import (
-    FrameworkControl,
-    G3Options,
-    KVCRBackendConfigs,
-    KVCRConfig,
-    RemoteFWDramOptions,
-    for_instance,
-)
-from kvcr.policy import G3LRUPolicy, KVCachePolicy, LRUPolicy
+from kvcr.config import FrameworkControl, KVCRBackendConfigs, KVCRConfig, for_instance
+from kvcr.policy import G3LRUPolicy, LRUPolicy
+from kvcr.runtime.context import Context, Journal, Shared
 from kvcr.runtime.engine_calls import EngineCalls, EngineSide
 from kvcr.runtime.inbox import Inbox
 from kvcr.runtime.memory import MemoryMap
-from kvcr.runtime.mirror import Followed
 from kvcr.runtime.ops import Outbox
+from kvcr.runtime.runtime import Runtime
 from kvcr.telemetry import Telemetry
 from kvcr.transport.auth import cluster_key_from_env
 from kvcr.transport.base import Transport
@@ -44,56 +36,8 @@ from kvcr.types import BlockKey, CacheTier
 
 
 @attrs.frozen(eq=False)
-class Context:
-    """What every part of one runtime reads, fixed for its life."""
-
-    config: KVCRConfig
-    memory: MemoryMap
-    policy: KVCachePolicy
-    source_tier: CacheTier  # what the engine's own memory is (FW_G1 with VRAM regions)
-    control: FrameworkControl | None  # the peer control channel, if peers are enabled
-    remote: RemoteFWDramOptions
-    g3: G3Options | None
-    cluster_key: bytes | None  # seals peer messages when set (KVCR_CLUSTER_KEY)
-    log: Any
-    # OpHandles and ReleaseHandles must not repeat across restarts of the process: both
-    # count up from the clock. OpHandles come from the engine's threads too (submit).
-    op_ids: Callable[[], int]
-    release_ids: Iterator[int]
-    # Blocking NIXL set-up and teardown through trio.to_thread: for a loop that others share
-    # (the guard service's). A runtime with a thread of its own blocks only itself.
-    offload_blocking: bool = False
-
-
-@attrs.frozen(eq=False)
-class Shared:
-    """What the engine's threads and the runtime's thread both touch."""
-
-    commands: Inbox  # engine threads put commands; the runtime takes them
-    answers: Inbox  # the engine side puts the engine's answers; the runtime takes them
-    calls: EngineCalls  # the runtime queues engine calls; the engine side makes them
-    outbox: Outbox  # the runtime appends results; poll_completed pops them
-    # Submit creates an operation's pending set; the runtime removes keys as it answers.
-    open_ops: dict[int, set[BlockKey]]
-    live_handles: set[int]  # the runtime adds release handles; release() removes them
-    telemetry: Telemetry  # the runtime appends samples; the engine thread applies them
-
-
-@attrs.frozen(eq=False)
-class Journal:
-    """A guard pool group's recovery journal, handed to the runtime, which owns it from
-    then on: it starts warm from it and mirrors every change into it."""
-
-    buffer: memoryview
-    group: int
-    # Replayed ahead of time (the guard follows every held group's journal): the runtime
-    # takes its index over instead of replaying.
-    followed: Followed | None = None
-
-
-@attrs.frozen(eq=False)
 class Built:
-    runtime: Any  # runtime.Runtime (imported late: it imports most of this package)
+    runtime: Runtime
     context: Context
     shared: Shared
     engine: EngineSide | None  # None without bindings: nothing to call (the guard)
@@ -131,8 +75,6 @@ def build(
 ) -> Built:
     """A runtime, not started yet (``await built.runtime.serve()`` runs it). ``control``
     stands in for ``bindings.framework_control`` when there are no bindings."""
-    from kvcr.runtime.runtime import Runtime
-
     # KVCR() has expanded them already (the guard claim needs the files); this covers every
     # other builder, so that no runtime opens a file named after an unexpanded template.
     backend_configs = for_instance(

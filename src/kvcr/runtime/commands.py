@@ -18,13 +18,13 @@ from kvcr.types import BlockKey
 @attrs.frozen
 class Hinted:
     """Keys a request's router hint sends to a peer: its endpoint, the request (whose hint
-    is marked failed if the pull gets nothing), the keys it covers, and the hint's mode and
-    no_retain (contract section 6)."""
+    is marked failed if the pull gets nothing), the keys it covers, and the hint's mode
+    (``move``: its mode is "move") and no_retain (contract section 6)."""
 
     endpoint: str
     request: object
     keys: frozenset[BlockKey]
-    mode: str = "copy"
+    move: bool = False
     no_retain: bool = False
 
 

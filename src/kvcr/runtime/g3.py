@@ -29,7 +29,7 @@ from typing import Any
 import trio
 
 from kvcr.g3.files import G3Files
-from kvcr.runtime.residency import claim, unclaim
+from kvcr.runtime.claims import claim, unclaim
 from kvcr.runtime.transfers import Transfers, Xfer
 from kvcr.store.index import Block, BlockIndex, BlockState, Published, SlotPool
 from kvcr.telemetry import SCOPE_G3_FILL, SCOPE_G3_STORE, result_label

@@ -1,4 +1,5 @@
-"""The lifecycles of a peer transfer, both sides, as tables (pure: no I/O, no clocks).
+"""The lifecycles of a peer transfer, both sides, and of an operation's engine memory, as
+tables over enum states, with the destination's records they move (pure: no I/O, no clocks).
 
 Theory of operation. A destination that wants blocks sends one ``Pull``; the source writes
 what it has in one NIXL WRITE and its notification (``Written``) names what was written, or
@@ -6,7 +7,7 @@ it answers ``Over`` when it writes nothing. Memory the source may write is held,
 ends, until the source can no longer touch it. So each side has one record per pull whose
 state says exactly that:
 
-Destination, a :class:`~kvcr.runtime.peers.RemotePull` (:data:`PULL`)::
+Destination, a :class:`RemotePull` on a :class:`Link` (:data:`PULL`)::
 
     sent ──written / over / probe_over──▶ done
      │  ──refused_unread / restarted────▶ turned_away     (nothing written: may be resent)
@@ -36,8 +37,17 @@ reported ``uncertain`` and ``quiesced`` follows at ``end``. Claims and pins are 
 ``end`` and nowhere else. On the wire (``ProbeAck.state``) a job is ``pending``, ``writing``
 (any state of a running write) or ``over``.
 
-Every move goes through :meth:`Table.move`; anything the table does not allow is a bug and
-raises :class:`IllegalMove`. Every deadline comes from one place,
+An operation whose entries fail while one of its transfers may still touch the engine's
+memory reports it (:data:`FRAMEWORK_MEMORY`)::
+
+    clear ──may_touch──▶ uncertain ──transfers_over──▶ quiesced
+
+``uncertain`` goes out before the FAILED entries it explains, ``quiesced`` once every
+transfer of the operation is terminal (``ops.Outbox``).
+
+Every move goes through :meth:`~kvcr.statetable.Table.move` (``statetable.py``, the one
+table mechanism); anything the table does not allow is a bug and raises
+:class:`~kvcr.statetable.IllegalMove`. Every deadline comes from one place,
 :class:`~kvcr.runtime.ops.Deadlines`, measured from the operation's start (destination;
 restarted once a first contact's link is ready), the pull's arrival (a source's pins) or
 the write's posting (a source's write).
@@ -45,78 +55,172 @@ the write's posting (a source's write).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable
 
 import attrs
+import trio
+
+from kvcr.statetable import StrEnum, Table
+from kvcr.types import BlockKey
 
 
-class IllegalMove(RuntimeError):
-    """A transfer was asked to make a move its table does not allow."""
+class PullState(StrEnum):
+    SENT = "sent"
+    ABANDONED = "abandoned"
+    QUARANTINED = "quarantined"
+    DONE = "done"
+    TURNED_AWAY = "turned_away"
 
 
-@attrs.frozen
-class Table:
-    name: str
-    moves: Mapping[str, Mapping[str, str]]  # state -> {event: next state}
-
-    def move(self, state: str, event: str, what: str) -> str:
-        """The state after ``event``; ``what`` names the transfer in the error."""
-        try:
-            return self.moves[state][event]
-        except KeyError:
-            raise IllegalMove(
-                f"{self.name} {what}: can't handle event {event!r} in state {state!r}"
-            ) from None
-
-    def terminal(self, state: str) -> bool:
-        return not self.moves[state]
-
-    @property
-    def events(self) -> frozenset[str]:
-        return frozenset(e for moves in self.moves.values() for e in moves)
+class PullEvent(StrEnum):
+    WRITTEN = "written"
+    OVER = "over"
+    PROBE_OVER = "probe_over"
+    REFUSED_UNREAD = "refused_unread"
+    RESTARTED = "restarted"
+    GIVE_UP = "give_up"
+    ABANDON_DEADLINE = "abandon_deadline"
 
 
 _ANSWERS = {
-    "written": "done",
-    "over": "done",
-    "probe_over": "done",
+    PullEvent.WRITTEN: PullState.DONE,
+    PullEvent.OVER: PullState.DONE,
+    PullEvent.PROBE_OVER: PullState.DONE,
 }
-PULL = Table(
+_GONE = {PullEvent.REFUSED_UNREAD: PullState.DONE, PullEvent.RESTARTED: PullState.DONE}
+PULL: Table[PullState, PullEvent] = Table(
     "pull",
     {
-        "sent": {
+        PullState.SENT: {
             **_ANSWERS,
-            "refused_unread": "turned_away",
-            "restarted": "turned_away",
-            "give_up": "abandoned",
+            PullEvent.REFUSED_UNREAD: PullState.TURNED_AWAY,
+            PullEvent.RESTARTED: PullState.TURNED_AWAY,
+            PullEvent.GIVE_UP: PullState.ABANDONED,
         },
-        "abandoned": {
+        PullState.ABANDONED: {
             **_ANSWERS,
-            "refused_unread": "done",
-            "restarted": "done",
-            "abandon_deadline": "quarantined",
+            **_GONE,
+            PullEvent.ABANDON_DEADLINE: PullState.QUARANTINED,
         },
-        "quarantined": {**_ANSWERS, "refused_unread": "done", "restarted": "done"},
-        "done": {},
-        "turned_away": {},
+        PullState.QUARANTINED: {**_ANSWERS, **_GONE},
+        PullState.DONE: {},
+        PullState.TURNED_AWAY: {},
     },
 )
 # The source can no longer write: the pull's memory is free again.
-PULL_OVER = frozenset({"done", "turned_away"})
+PULL_OVER = frozenset({PullState.DONE, PullState.TURNED_AWAY})
 
-JOB = Table(
+
+class JobState(StrEnum):
+    PENDING = "pending"
+    WRITING = "writing"
+    STALLED = "stalled"
+    UNCERTAIN = "uncertain"
+    OVER = "over"
+
+
+class JobEvent(StrEnum):
+    POST = "post"
+    LATE = "late"
+    ABANDON_DEADLINE = "abandon_deadline"
+    END = "end"
+
+
+JOB: Table[JobState, JobEvent] = Table(
     "source job",
     {
-        "pending": {"post": "writing", "end": "over"},
-        "writing": {"late": "stalled", "end": "over"},
-        "stalled": {"abandon_deadline": "uncertain", "end": "over"},
-        "uncertain": {"end": "over"},
-        "over": {},
+        JobState.PENDING: {JobEvent.POST: JobState.WRITING, JobEvent.END: JobState.OVER},
+        JobState.WRITING: {JobEvent.LATE: JobState.STALLED, JobEvent.END: JobState.OVER},
+        JobState.STALLED: {
+            JobEvent.ABANDON_DEADLINE: JobState.UNCERTAIN,
+            JobEvent.END: JobState.OVER,
+        },
+        JobState.UNCERTAIN: {JobEvent.END: JobState.OVER},
+        JobState.OVER: {},
     },
 )
-WRITING = frozenset({"writing", "stalled", "uncertain"})  # a write is in flight
+# A write is in flight.
+WRITING = frozenset({JobState.WRITING, JobState.STALLED, JobState.UNCERTAIN})
+# A write ran past its operation timeout: the source refuses new pulls until it ends.
+LATE = frozenset({JobState.STALLED, JobState.UNCERTAIN})
 
 
-def wire_state(job_state: str) -> str:
+def wire_state(job_state: JobState) -> JobState:
     """What a ``ProbeAck`` says of a job in ``job_state``."""
-    return "writing" if job_state in WRITING else job_state
+    return JobState.WRITING if job_state in WRITING else job_state
+
+
+class MemoryState(StrEnum):
+    CLEAR = "clear"  # nothing reported
+    UNCERTAIN = "uncertain"  # a transfer may still touch the engine's memory
+    QUIESCED = "quiesced"  # ... and now none does
+
+
+class MemoryEvent(StrEnum):
+    MAY_TOUCH = "may_touch"
+    TRANSFERS_OVER = "transfers_over"
+
+
+FRAMEWORK_MEMORY: Table[MemoryState, MemoryEvent] = Table(
+    "operation",
+    {
+        MemoryState.CLEAR: {MemoryEvent.MAY_TOUCH: MemoryState.UNCERTAIN},
+        MemoryState.UNCERTAIN: {MemoryEvent.TRANSFERS_OVER: MemoryState.QUIESCED},
+        MemoryState.QUIESCED: {},
+    },
+)
+
+
+@attrs.define(eq=False)
+class Link:
+    """What this instance knows of one remote endpoint it pulls from."""
+
+    endpoint: str
+    incarnation: int = 0  # the remote's, once it acknowledged our metadata
+    agent: str | None = None
+    ready: trio.Event = attrs.field(factory=trio.Event)
+    greeting: bool = False
+    pulls: dict[int, RemotePull] = attrs.field(factory=dict)
+    # Incarnations that a newer one replaced at this endpoint: those processes are gone, so
+    # a late message of theirs (sent before they died, read after the successor's) is stale.
+    gone: list[int] = attrs.field(factory=list)
+
+
+@attrs.define(eq=False)
+class RemotePull:
+    """One pull this destination sent, from its sending until the source can no longer
+    write its memory (:data:`PULL`)."""
+
+    req: int
+    link: Link
+    target: int
+    keys: list[BlockKey]
+    state: PullState = PullState.SENT  # moved only by move()
+    # Set when the source can no longer write (done, or turned away): the answer is in.
+    done: trio.Event = attrs.field(factory=trio.Event)
+    written: list[int] = attrs.field(factory=list)
+    reason: str = ""
+    on_over: list[Callable[[], None]] = attrs.field(factory=list)
+    due: float = 0.0  # when its data should have landed (trio time)
+
+    def move(self, event: PullEvent) -> PullState:
+        self.state = PULL.move(self.state, event, f"req {self.req} to {self.link.endpoint}")
+        return self.state
+
+    @property
+    def turned_away(self) -> bool:
+        """Refused unread (a new incarnation answered at the endpoint, or the source had no
+        greeting from us): nothing was written, so asking again, after a new greeting, is
+        safe."""
+        return self.state is PullState.TURNED_AWAY
+
+    def finish(self, event: PullEvent, written: list[int], reason: str) -> None:
+        """The source can no longer write the pull's memory: end it, hand the memory back
+        (``on_over``) and wake whoever waits for the answer."""
+        self.move(event)
+        self.written = written
+        self.reason = reason
+        self.link.pulls.pop(self.req, None)
+        self.done.set()
+        for callback in self.on_over:
+            callback()

@@ -21,8 +21,9 @@ from typing import Any
 import numpy as np
 import trio
 
+from kvcr.runtime.claims import fill_over, wait_filled
 from kvcr.runtime.ops import DROPPED, FAILED, SUCCESS, Operation
-from kvcr.runtime.residency import Residency, fill_over, wait_filled
+from kvcr.runtime.residency import Residency
 from kvcr.runtime.transfers import Xfer
 from kvcr.store.index import Block, BlockState, Claim, Filling, Found
 from kvcr.telemetry import SCOPE_G3_DELIVER

@@ -7,30 +7,36 @@ keys from it, and only through :meth:`Outbox.answer`.
 
 Memory that a failed operation's transfer may still touch is reported through
 ``TransferError``: ``uncertain`` (emitted before the ``FAILED`` entries it explains, so the
-engine learns of it first) and ``quiesced`` once every transfer of the operation is terminal.
+engine learns of it first) and ``quiesced`` once every transfer of the operation is terminal
+(``lifecycle.FRAMEWORK_MEMORY``).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import trio
 
 from kvcr.runtime.engine_calls import EngineCalls
+from kvcr.runtime.lifecycle import FRAMEWORK_MEMORY, MemoryEvent, MemoryState, RemotePull
 from kvcr.runtime.transfers import Xfer
+from kvcr.statetable import StrEnum
+from kvcr.store.index import Block, Filling
 from kvcr.telemetry import SCOPE_LOCAL_DELIVER, SCOPE_LOCAL_FETCH, SCOPE_LOCAL_FILL
 from kvcr.types import BlockKey, MemoryRef, OpEntryResult, OpEntryStatus, OpResult, TransferError
-
-if TYPE_CHECKING:
-    from kvcr.runtime.peers import RemotePull
-    from kvcr.store.index import Block, Filling
 
 FAILED = OpEntryResult(OpEntryStatus.FAILED)
 DROPPED = OpEntryResult(OpEntryStatus.DROPPED)
 SUCCESS = OpEntryResult(OpEntryStatus.SUCCESS)
+
+
+class OpKind(StrEnum):
+    DEPOSIT = "deposit"
+    FETCH = "fetch"
+    DELIVER = "deliver"
 
 
 @attrs.frozen
@@ -78,7 +84,7 @@ class RemotePart:
 
     keys: frozenset[BlockKey] = frozenset()
     request: object = None  # the request whose hint sent them there
-    mode: str = "copy"  # "move": the peer drops its copies once the engine has the results
+    move: bool = False  # the peer drops its copies once the engine has the results
     no_retain: bool = False  # a fetch drops the blocks from local G2 at their release
     failed: bool = False  # the pull got nothing: the request's hint is reported failed
     moved: int = 0  # keys the peer wrote
@@ -91,7 +97,7 @@ class Operation:
     transfers' own states are their tables' (``lifecycle.py``)."""
 
     handle: int
-    kind: str  # "deposit" | "fetch" | "deliver"
+    kind: OpKind
     keys: list[BlockKey]
     pending: set[BlockKey]
     clock: Deadlines
@@ -105,7 +111,7 @@ class Operation:
     xfers: dict[Xfer | RemotePull, frozenset[BlockKey]] = attrs.field(factory=dict)
     filling: dict[BlockKey, Block] = attrs.field(factory=dict)  # key -> the block it fills
     fills: list[Filling] = attrs.field(factory=list)  # a deposit's batches being filled
-    uncertain: bool = False  # reported: a transfer may still touch ``framework``
+    memory: MemoryState = MemoryState.CLEAR  # what was reported of ``framework``
     remote: RemotePart = attrs.field(factory=RemotePart)
     moved: int = 0  # local keys whose bytes were transferred
     ok: int = 0  # keys answered with success (each key is answered once)
@@ -207,18 +213,20 @@ class Outbox:
 
     def xfer_terminal(self, op: Operation, xfer: Xfer | RemotePull) -> None:
         op.xfers.pop(xfer, None)
-        if op.uncertain and not op.xfers:
-            self.report(self._transfer_error(op, "quiesced"))
+        if op.memory is MemoryState.UNCERTAIN and not op.xfers:
+            self._report(op, MemoryEvent.TRANSFERS_OVER)
 
     def _report_uncertain(self, op: Operation) -> None:
-        if op.uncertain or not op.framework:
-            return
-        op.uncertain = True
-        self.report(self._transfer_error(op, "uncertain"))
+        if op.memory is MemoryState.CLEAR and op.framework:
+            self._report(op, MemoryEvent.MAY_TOUCH)
+
+    def _report(self, op: Operation, event: MemoryEvent) -> None:
+        op.memory = FRAMEWORK_MEMORY.move(op.memory, event, f"{op.kind} op {op.handle}")
+        self.report(self._transfer_error(op, op.memory))
 
     @staticmethod
-    def _transfer_error(op: Operation, state: str) -> TransferError:
-        verb = "may still touch" if state == "uncertain" else "no longer touches"
+    def _transfer_error(op: Operation, state: MemoryState) -> TransferError:
+        verb = "may still touch" if state is MemoryState.UNCERTAIN else "no longer touches"
         message = (
             f"{op.kind} op {op.handle}: {op.failure or 'failed'}; a transfer {verb} "
             "framework memory"
@@ -227,7 +235,7 @@ class Outbox:
         return TransferError(
             message,
             op.handle,
-            state=state,
+            state=state.value,
             source_blocks=sources or None,
             source_owners=("framework",) if sources else None,
             destination_regions=destinations or None,
@@ -235,8 +243,12 @@ class Outbox:
         )
 
 
-SCOPES = {"deposit": SCOPE_LOCAL_FILL, "deliver": SCOPE_LOCAL_DELIVER, "fetch": SCOPE_LOCAL_FETCH}
-REMOTE_SCOPES = {"deliver": "remote_deliver", "fetch": "remote_fetch"}
+SCOPES = {
+    OpKind.DEPOSIT: SCOPE_LOCAL_FILL,
+    OpKind.DELIVER: SCOPE_LOCAL_DELIVER,
+    OpKind.FETCH: SCOPE_LOCAL_FETCH,
+}
+REMOTE_SCOPES = {OpKind.DELIVER: "remote_deliver", OpKind.FETCH: "remote_fetch"}
 
 
 def record(op: Operation, telemetry: Any, memory: Any, log: Any) -> None:
@@ -260,7 +272,7 @@ def record(op: Operation, telemetry: Any, memory: Any, log: Any) -> None:
         log.info(
             "op_failed",
             op=op.handle,
-            kind=op.kind,
+            kind=op.kind.value,
             failed=len(op.keys) - op.ok,
             reason=op.failure,
         )

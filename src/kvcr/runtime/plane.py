@@ -1,41 +1,63 @@
-"""The peer control plane's plumbing, shared by both sides of a pull (``peers.py``, the
-destination, and ``source.py``): who this instance is to its peers (endpoint, incarnation,
-agent), sending and authenticating control messages, counting bad input, and waking the
-progress loop."""
+"""The peer control plane, shared by both sides of a pull (``destination.py`` and
+``source.py``): who this instance is to its peers (endpoint, incarnation), sending,
+authenticating and routing control messages, counting bad input, and the two loops that
+feed both sides: control messages in, and NIXL progress with its notifications.
+
+The plane knows neither side: the runtime hands :meth:`Plane.run` the handler of each
+message type and what the progress loop asks of the sides (:class:`Sides`).
+"""
 
 from __future__ import annotations
 
 import os
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
+import attrs
 import trio
 
+from kvcr.runtime.timer import poll_interval, sleeper
 from kvcr.transport import messages as m
 from kvcr.transport.auth import UNAUTHENTICATED, PeerAuth, Rejected
 from kvcr.transport.base import Transport
 
-if TYPE_CHECKING:
-    from kvcr.runtime.build import Context
+RECEIVE_POLL_S = 0.002  # only for control channels without a file descriptor
+IDLE_PROGRESS_S = 0.1
+
+
+@attrs.frozen
+class Sides:
+    """What the plane's loops need of the two sides of a pull."""
+
+    handlers: dict[type[m.Message], Callable[[Any], None]]  # each takes its own type
+    on_written: Callable[[str, m.Written], None]  # a NIXL notification, by sender agent
+    busy: Callable[[], bool]  # pulls in flight or a source write running: poll NIXL often
+    connected: Callable[[], bool]  # peers known: NIXL needs progress now and then
+    due: Callable[[], float]  # when the latest pull's data should have landed (trio time)
 
 
 class Plane:
-    def __init__(self, context: Context, transport: Transport) -> None:
-        self.channel: Any = context.control
-        self.endpoint: str | None = getattr(self.channel, "endpoint", None)
+    def __init__(
+        self, channel: Any, transport: Transport, cluster_key: bytes | None, log: Any
+    ) -> None:
+        self.channel = channel
+        self.endpoint: str | None = getattr(channel, "endpoint", None)
         self.transport = transport
-        self.log = context.log
+        self.fine = bool(getattr(transport, "fine_timing", False))
+        self.log = log
         self.incarnation = int.from_bytes(os.urandom(8), "big") or 1
-        self.auth = PeerAuth(context.cluster_key, self.incarnation)
+        self.auth = PeerAuth(cluster_key, self.incarnation)
         self.dropped: Counter[str] = Counter()  # by kind: bad input seen from peers
-        self.nursery: trio.Nursery | None = None  # where handlers start tasks (Peers.run)
+        self.nursery: trio.Nursery | None = None  # where handlers start tasks (run)
         self.busy = trio.Event()  # set to make the progress loop poll NIXL now
+        self.sides: Sides | None = None  # what the loops feed, once they run
 
     def wake(self) -> None:
         self.busy.set()
 
     def spawn(self, fn: Any, *args: Any) -> None:
-        assert self.nursery is not None, "the control plane runs (Peers.run)"
+        assert self.nursery is not None, "the control plane runs (Plane.run)"
         self.nursery.start_soon(fn, *args)
 
     def counts(self) -> dict[str, float]:
@@ -80,3 +102,84 @@ class Plane:
             self.drop("unauthenticated", f"{message.TYPE}: sealed by another incarnation")
             return None
         return message
+
+    # -- the loops -------------------------------------------------------------------------
+
+    async def run(self, sides: Sides, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        self.sides = sides
+        async with trio.open_nursery() as nursery:
+            self.nursery = nursery
+            nursery.start_soon(self._receive_loop, sides)
+            nursery.start_soon(self._progress_loop, sides)
+            task_status.started()
+
+    async def _receive_loop(self, sides: Sides) -> None:
+        fileno = getattr(self.channel, "fileno", None)
+        fd = fileno() if callable(fileno) else None
+        while True:
+            try:
+                batch = self.channel.recv()
+            except Exception as exc:
+                self.log.error("control_recv_failed", error=repr(exc))
+                batch = []
+            for raw in batch:
+                self._on_raw(raw, sides)
+            if batch:
+                continue  # ZMQ's fd is edge-triggered: drain before waiting again
+            if fd is not None:
+                await trio.lowlevel.wait_readable(fd)
+            else:
+                await trio.sleep(RECEIVE_POLL_S)
+
+    def _on_raw(self, raw: bytes, sides: Sides) -> None:
+        message = self.open(raw, "bad_message")
+        if message is None:
+            return
+        handler = sides.handlers.get(type(message))
+        if handler is None:
+            self.drop("unexpected_message", message.TYPE)
+            return
+        try:
+            handler(message)
+        except Exception as exc:  # a bug in one handler must not take the instance down
+            self.log.exception("peer_handler_failed", type=message.TYPE, error=repr(exc))
+
+    async def _progress_loop(self, sides: Sides) -> None:
+        """NIXL runs without its progress thread: call into it often while transfers or
+        pulls are pending (every 0.2 ms for the first 10 ms, then every millisecond), and
+        every 100 ms while peers are merely connected (connection setup needs both sides to
+        make progress), and not at all with no peers."""
+        timer = sleeper(self.fine)
+        try:
+            busy_since: float | None = None
+            while True:
+                if not sides.busy():
+                    busy_since = None
+                    busy_event = self.busy = trio.Event()
+                    if sides.connected():
+                        with trio.move_on_after(IDLE_PROGRESS_S):
+                            await busy_event.wait()
+                    else:
+                        await busy_event.wait()
+                else:
+                    now = trio.current_time()
+                    busy_since = now if busy_since is None else busy_since
+                    await timer.sleep(poll_interval(now, busy_since, sides.due()))
+                self._poll_notifications(sides)
+        finally:
+            timer.close()
+
+    def _poll_notifications(self, sides: Sides) -> None:
+        try:
+            notes = self.transport.notifications()
+        except Exception as exc:
+            self.log.error("nixl_notifications_failed", error=repr(exc))
+            return
+        for sender, raw in notes:
+            message = self.open(raw, "bad_notification")
+            if message is None:
+                continue
+            if isinstance(message, m.Written):
+                sides.on_written(sender, message)
+            else:
+                self.drop("unexpected_notification", message.TYPE)

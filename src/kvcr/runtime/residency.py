@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypedDict
 
 import trio
 
+from kvcr.config import KVCRConfig
 from kvcr.policy import HOOKS as POLICY_HOOKS
 from kvcr.policy import KVCachePolicy
-from kvcr.runtime.part import Part
+from kvcr.runtime.claims import claim, unclaim, wait_filled
+from kvcr.runtime.engine_calls import EngineCalls
+from kvcr.runtime.g3 import G3Tier
+from kvcr.runtime.memory import MemoryMap
+from kvcr.runtime.ops import Outbox
 from kvcr.runtime.transfers import Transfers
 from kvcr.store.index import Block, BlockIndex, BlockState, Claim
 from kvcr.transport.base import Transport
@@ -31,10 +36,6 @@ from kvcr.types import (
     PlacementFailure,
     ReleaseHandle,
 )
-
-if TYPE_CHECKING:
-    from kvcr.runtime.build import Context, Shared
-    from kvcr.runtime.g3 import G3Tier
 
 _G2 = frozenset({CacheTier.LOCAL_G2})
 _G3 = frozenset({CacheTier.G3})
@@ -64,51 +65,35 @@ def index_options(policy: KVCachePolicy) -> IndexOptions:
     return {"score_is_recency": "eviction_score" not in hooks, "policy_metadata": bool(hooks)}
 
 
-async def wait_filled(block: Block) -> None:
-    """Wait until ``block``'s fill is over, committed or not. The event is made only when
-    somebody waits: most fills have no waiter."""
-    if block.waiters is None:
-        block.waiters = trio.Event()
-    await block.waiters.wait()
-
-
-def claim(index: BlockIndex, block: Block, now: float | None = None) -> None:
-    """Hold ``block`` in ``index`` (a read, a write to a peer, a release handle): out of
-    the eviction queue until the last claim goes; ``now`` counts as an access."""
-    index.claim(block, now)
-
-
-def unclaim(
-    index: BlockIndex, block: Block, score: Callable[[Block], float], now: float | None = None
-) -> None:
-    """Drop one claim; the last one queues the block again with a fresh score (``now``: an
-    access that ended now)."""
-    if index.unclaim(block):
-        if now is not None:
-            index.touch(block, now)
-        index.rescore(block, score(block))
-
-
-def fill_over(block: Block) -> None:
-    if block.waiters is not None:
-        block.waiters.set()
-        block.waiters = None
-
-
-class Residency(Part):
+class Residency:
     def __init__(
-        self, context: Context, shared: Shared, index: BlockIndex, transfers: Transfers[Transport]
+        self,
+        *,
+        index: BlockIndex,
+        transfers: Transfers[Transport],
+        policy: KVCachePolicy,
+        memory: MemoryMap,
+        config: KVCRConfig,
+        calls: EngineCalls,  # the policy's and the engine's notifications (inventory, ...)
+        outbox: Outbox,
+        live_handles: set[int],  # release handles the engine holds (Shared.live_handles)
+        release_ids: Iterator[int],
+        source_tier: CacheTier,
+        log: Any,
     ) -> None:
-        super().__init__(context, shared)
         self.index = index
         self.transfers = transfers
-        self.policy = policy = context.policy
-        self.live_handles = shared.live_handles
-        self.release_ids = context.release_ids
-        self.source_tier = context.source_tier
-        self.callbacks = shared.calls
-        self.abandon_s = context.config.abandon_timeout_ms / 1000
-        watermark_percent = context.config.capacity_low_watermark_percent
+        self.policy = policy
+        self.memory = memory
+        self.config = config
+        self.outbox = outbox
+        self.log = log
+        self.live_handles = live_handles
+        self.release_ids = release_ids
+        self.source_tier = source_tier
+        self.callbacks = calls
+        self.abandon_s = config.abandon_timeout_ms / 1000
+        watermark_percent = config.capacity_low_watermark_percent
         self.handles: dict[int, BlockKey] = {}
         self._drop_at_release: set[int] = set()  # no_retain fetches' release handles
         # Hooks the policy leaves as KVCachePolicy's defaults are not called: the default is

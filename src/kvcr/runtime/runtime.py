@@ -2,7 +2,9 @@
 
 Engine threads never touch this state. They send commands (``runtime/commands.py``) and
 read what the runtime publishes (the query views, the outbox, the set of live release
-handles): ``Shared`` in ``runtime/build.py``, which also assembles the runtime.
+handles): ``Shared`` in ``runtime/context.py``. ``runtime/build.py`` assembles the runtime;
+the runtime starts its parts in order, handing each what its constructor names, and routes
+each command through one table (:attr:`Runtime.handlers`).
 
 Task tree::
 
@@ -10,7 +12,7 @@ Task tree::
     └── (shielded body)
         ├── transfers.run          polls in-flight transfers, idle when none
         ├── pins.run, peers.run    engine pins; the peer control plane (if enabled)
-        └── ops nursery            one task per operation, each under its deadline
+        └── ops nursery            one task per operation (``operations.py``)
             └── abandonment watchers   log transfers still running past abandon_timeout_ms
 
 Shutdown, on Close or on cancellation alike, cancels the operations (their pending entries
@@ -23,8 +25,8 @@ cancelled like any task. Blocking NIXL setup and teardown run in ``trio.to_threa
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import attrs
 import trio
@@ -42,40 +44,31 @@ from kvcr.runtime.commands import (
     Deliver,
     Deposit,
     Fetch,
-    Hinted,
-    OpCommand,
     Release,
 )
+from kvcr.runtime.context import Context, Journal, Shared
+from kvcr.runtime.destination import Destination
 from kvcr.runtime.g3 import G3Tier
+from kvcr.runtime.links import Links
 from kvcr.runtime.local import LocalG2
 from kvcr.runtime.mirror import Mirror, recover
-from kvcr.runtime.ops import FAILED, Deadlines, Framework, Operation, RemotePart, record
-from kvcr.runtime.part import Part
-from kvcr.runtime.peers import Peers, RemotePull
+from kvcr.runtime.operations import Operations, Tiers
 from kvcr.runtime.pins import Pins
-from kvcr.runtime.plane import Plane
-from kvcr.runtime.remote import Remote
+from kvcr.runtime.plane import Plane, Sides
 from kvcr.runtime.residency import index_options
 from kvcr.runtime.source import Source
-from kvcr.runtime.transfers import Transfers, Xfer
+from kvcr.runtime.transfers import Transfers
 from kvcr.store.index import BlockIndex, Published, slot_pools
+from kvcr.transport import messages as m
 from kvcr.transport.base import Transport
-from kvcr.types import BlockKey, CacheTier, InventoryEvent, MemoryRef
-
-if TYPE_CHECKING:
-    from kvcr.runtime.build import Context, Journal, Shared
-
-
-async def _await(coroutine: Any) -> None:
-    await coroutine
-
+from kvcr.types import CacheTier, InventoryEvent
 
 # Transports whose transfers never ended: kept referenced so their memory registrations
 # and agents are never torn down under a transfer that might still run.
 _LEAKED: list[object] = []
 
 
-class Runtime(Part):
+class Runtime:
     """Built by :func:`kvcr.runtime.build.build`; runs as ``serve``."""
 
     def __init__(
@@ -87,9 +80,14 @@ class Runtime(Part):
         *,
         has_pools: bool,
     ) -> None:
-        super().__init__(context, shared)
+        self.context = context
+        self.shared = shared
+        self.config = config = context.config
+        self.memory = context.memory
+        self.log = context.log
+        self.telemetry = shared.telemetry
+        self.outbox = shared.outbox
         self.has_pools = has_pools
-        self.g3: G3Tier | None = None
         self.g3_view = Published()  # the file tier's index for query, once it runs
         self.journal = journal  # the guard group's recovery journal, owned from here on
         self.mirror: Mirror | None = None
@@ -106,14 +104,46 @@ class Runtime(Part):
         self._transport_factory = transport_factory
         self.transport: Transport | None = None
         self.transfers: Transfers[Transport] | None = None
-        self.local: LocalG2 | None = None
-        self.peers: Peers | None = None
-        self.remote: Remote | None = None
-        self.ops: dict[int, Operation] = {}
-        self._ops_nursery: trio.Nursery | None = None
-        self._root: trio.Nursery | None = None  # lives until the runtime quiesced
+        self.tiers = Tiers()  # local G2, G3 and the peers' destination side, once started
+        self.pins: Pins | None = None
+        self.plane: Plane | None = None  # the peer control plane, if peers are enabled
+        self.links: Links | None = None
+        self.source: Source | None = None
+        self.operations = Operations(
+            index=self.index,
+            tiers=self.tiers,
+            memory=self.memory,
+            config=config,
+            outbox=self.outbox,
+            telemetry=self.telemetry,
+            log=self.log,
+        )
+        self.ops = self.operations.ops
         self.closed = trio.Event()
         self.leaked = False  # set at close if memory stayed registered under a live transfer
+        # Every command but Close (which ends the pump), by its type.
+        self.handlers: Mapping[type[Command], Callable[[Any], None]] = {
+            Deposit: self.operations.start,
+            Deliver: self.operations.start,
+            Fetch: self.operations.start,
+            Abort: lambda c: self.operations.abort(c.handle, c.keys),
+            Release: self._release_handles,
+            Connect: self._connect,
+            Confirm: self._confirm,
+            Align: self._align,
+        }
+
+    @property
+    def local(self) -> LocalG2 | None:
+        return self.tiers.local
+
+    @property
+    def g3(self) -> G3Tier | None:
+        return self.tiers.g3
+
+    @property
+    def destination(self) -> Destination | None:
+        return self.tiers.destination
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -160,20 +190,20 @@ class Runtime(Part):
             fine = bool(getattr(transport, "fine_timing", False))
             self.transfers = Transfers(transport, self.log, fine)
             if self.has_pools:
-                self.local = LocalG2(self.context, self.shared, self.index, self.transfers)
+                self.tiers.local = self._local_g2(self.transfers)
                 if self.journal is not None:
-                    await self._start_warm(self.local, self.journal)
+                    await self._start_warm(self.tiers.local, self.journal)
             async with trio.open_nursery() as root:
-                self._root = root
+                self.operations.root = root
                 root.start_soon(self.transfers.run)
-                if self.context.g3 is not None and self.local is not None:
-                    await self._start_g3(root, self.local, fine)
-                pins = Pins(self.shared.calls, self.shared.answers, self.log)
+                if self.context.g3 is not None and self.tiers.local is not None:
+                    await self._start_g3(root, self.tiers.local, fine)
+                pins = self.pins = Pins(self.shared.calls, self.shared.answers, self.log)
                 root.start_soon(pins.run)
                 if self.context.control is not None:
                     await self._start_peers(root, transport, pins)
                 async with trio.open_nursery() as ops:
-                    self._ops_nursery = ops
+                    self.operations.nursery = ops
                     task_status.started()
                     # Cross-host writes end at UCX's TCP user timeout: say which one holds.
                     timeout = getattr(transport, "user_timeout", None)
@@ -185,13 +215,14 @@ class Runtime(Part):
                     self.log.info("runtime_started", pools=self.memory.pool_names, **extra)
                     await self._pump()
                     ops.cancel_scope.cancel()
-                if self.peers is not None:
-                    await self.peers.source.stop()
+                if self.source is not None:
+                    await self.source.stop()
                 leaked = not await self._quiesce()
                 # Pins go back to the engine only now that no transfer reads them.
                 await pins.drain(self.config.operation_timeout_ms / 1000)
                 root.cancel_scope.cancel()
         finally:
+            self.operations.root = None
             try:
                 await self._release(transport, leaked)
             finally:
@@ -222,6 +253,22 @@ class Runtime(Part):
                     self.leaked = True
                     _LEAKED.append(transport)
                     raise
+
+    def _local_g2(self, transfers: Transfers[Transport]) -> LocalG2:
+        context, shared = self.context, self.shared
+        return LocalG2(
+            index=self.index,
+            transfers=transfers,
+            policy=context.policy,
+            memory=self.memory,
+            config=self.config,
+            calls=shared.calls,
+            outbox=self.outbox,
+            live_handles=shared.live_handles,
+            release_ids=context.release_ids,
+            source_tier=context.source_tier,
+            log=self.log,
+        )
 
     async def _start_g3(self, root: trio.Nursery, local: LocalG2, fine: bool) -> None:
         """Open the G3 files and their NIXL agent (off the loop: file setup and
@@ -262,7 +309,7 @@ class Runtime(Part):
         )
         transfers = Transfers(transport, self.log, fine, busy=True)
         root.start_soon(transfers.run)
-        self.g3 = G3Tier(
+        g3 = self.tiers.g3 = G3Tier(
             files=files,
             transport=transport,
             transfers=transfers,
@@ -273,9 +320,9 @@ class Runtime(Part):
             journal=self.mirror,
             view=self.g3_view,
         )
-        local.g3, local.spawn = self.g3, root.start_soon
+        local.g3, local.spawn = g3, root.start_soon
         if self.mirror is not None:
-            restored = self.g3.restore(dict(self.mirror.g3_records))
+            restored = g3.restore(dict(self.mirror.g3_records))
             if restored:
                 self.shared.calls.inventory(InventoryEvent(tuple(restored), CacheTier.G3, False))
 
@@ -315,31 +362,71 @@ class Runtime(Part):
             self.shared.calls.inventory(InventoryEvent(tuple(keys), CacheTier.LOCAL_G2, False))
 
     async def _start_peers(self, nursery: trio.Nursery, transport: Transport, pins: Pins) -> None:
-        initialize = getattr(self.context.control, "initialize", None)
+        context = self.context
+        initialize = getattr(context.control, "initialize", None)
         if callable(initialize):
             initialize()  # idempotent on ZmqPeerControlChannel; binds if the adapter did not
         assert self.transfers is not None
-        plane = Plane(self.context, transport)
-        source = Source(
-            self.context, self.shared, plane, self.transfers, self.index, self.local, pins
+        plane = self.plane = Plane(context.control, transport, context.cluster_key, self.log)
+        source = self.source = Source(
+            plane=plane,
+            transfers=self.transfers,
+            index=self.index,
+            local=self.tiers.local,
+            pins=pins,
+            memory=self.memory,
+            config=self.config,
+            outbox=self.outbox,
+            telemetry=self.telemetry,
+            op_ids=context.op_ids,
+            log=self.log,
         )
-        self.peers = Peers(self.context, self.shared, plane, source, pins)
-        self.remote = Remote(self.context, self.shared, self.peers, self.local, self.index)
-        await nursery.start(self.peers.run)
+        links = self.links = Links(
+            plane=plane,
+            config=self.config,
+            retry_interval_s=context.remote.metadata_retry_interval_ms / 1000,
+            telemetry=self.telemetry,
+            log=self.log,
+        )
+        destination = self.tiers.destination = Destination(
+            plane=plane,
+            links=links,
+            index=self.index,
+            local=self.tiers.local,
+            memory=self.memory,
+            outbox=self.outbox,
+            log=self.log,
+        )
+        sides = Sides(
+            handlers={
+                m.Hello: source.on_hello,
+                m.HelloAck: links.on_hello_ack,
+                m.Pull: source.on_pull,
+                m.Over: destination.on_over,
+                m.Probe: source.on_probe,
+                m.ProbeAck: destination.on_probe_ack,
+                m.Confirm: source.on_confirm,
+            },
+            on_written=destination.on_written,
+            busy=lambda: bool(links.pulls_in_flight()) or source.writing,
+            connected=lambda: bool(links.links or source.agents_by_incarnation),
+            due=destination.due,
+        )
+        await nursery.start(plane.run, sides)
 
     async def _quiesce(self) -> bool:
         """Wait, up to abandon_timeout_ms, until nothing can touch our memory: no local or
         source transfer in flight, and no peer still allowed to write into a pull's
         destination. False if something still might."""
         assert self.transfers is not None
-        peers = self.peers
+        links = self.links
         with trio.move_on_after(self.config.abandon_timeout_ms / 1000):
             await self.transfers.wait_idle()
             if self.g3 is not None:
                 await self.g3.transfers.wait_idle()
-            while peers is not None and peers.pulls_in_flight():
+            while links is not None and links.pulls_in_flight():
                 await trio.sleep(0.005)
-        return self.transfers.in_flight == 0 and not (peers and peers.pulls_in_flight())
+        return self.transfers.in_flight == 0 and not (links and links.pulls_in_flight())
 
     async def _pump(self) -> None:
         while True:
@@ -356,188 +443,40 @@ class Runtime(Part):
     # -- commands ------------------------------------------------------------------------
 
     def _dispatch(self, command: Command) -> None:
-        if isinstance(command, (Deposit, Deliver, Fetch)):
-            self._start_op(command)
-        elif isinstance(command, Release):
-            if self.local is not None:
-                for handle in command.handles:
-                    self.local.release(handle)
-        elif isinstance(command, Abort):
-            self._abort(command.handle, command.keys)
-        elif isinstance(command, Connect):
-            if self.peers is not None:
-                self.peers.link(command.endpoint)
-        elif isinstance(command, Confirm):
-            if self.remote is not None:
-                self.remote.confirm(command.handle)
-        elif isinstance(command, Align):
-            if self.local is not None:
-                self.local.align(command.keys, command.use_current_time, trio.current_time())
-        else:
+        handler = self.handlers.get(type(command))
+        if handler is None:
             raise ValueError(f"runtime: unknown command {command!r}")
+        handler(command)
 
-    def _start_op(self, command: OpCommand) -> None:
-        now = trio.current_time()
-        handle, keys = command.handle, command.keys
-        pending = self.outbox.pending_set(handle)
-        if not keys:
-            self.outbox.answer_empty(handle)
-            return
-        kind = type(command).__name__.lower()
-        framework = Framework()
-        if isinstance(command, Deposit):
-            framework = Framework(sources=tuple(keys))
-        elif isinstance(command, Deliver):
-            framework = Framework(destination_refs=self._refs_of(command))
-        op = Operation(handle, kind, keys, pending, Deadlines.starting(now, self.config), framework)
-        body: Any
-        if isinstance(command, Deposit):
-            if self.local is None:
-                self.outbox.fail_pending(op, "deposit: this instance has no local DRAM pools")
-                return
-            body = self.local.deposit(op, command.sources, command.no_evict, command.hints)
-        elif isinstance(command, Deliver):
-            body = self._read(op, command.destinations, command.remote)
-        else:
-            body = self._read(op, None, command.remote)
-        assert self._ops_nursery is not None
-        self.ops[handle] = op
-        self._ops_nursery.start_soon(self._run_op, op, body)
+    def _release_handles(self, command: Release) -> None:
+        if self.tiers.local is not None:
+            for handle in command.handles:
+                self.tiers.local.release(handle)
 
-    def _refs_of(self, command: Deliver) -> Callable[[], tuple[MemoryRef, ...]]:
-        """The engine refs a deliver writes into, worked out when asked."""
-        destinations, memory = command.destinations, self.memory
-        return lambda: memory.refs_of(d for key in command.keys for d in destinations[key])
+    def _connect(self, command: Connect) -> None:
+        if self.links is not None:
+            self.links.link(command.endpoint)
 
-    def _elsewhere(
-        self, op: Operation, resident: list[BlockKey], remote: Hinted | None
-    ) -> tuple[list[BlockKey], list[BlockKey]]:
-        """The keys of ``op`` not in local G2 that G3 holds, and those the hint covers; the
-        rest are answered failed."""
-        g3_keys: list[BlockKey] = []
-        if self.g3 is not None:
-            in_g2 = set(resident)
-            g3_keys = [k for k in op.keys if k not in in_g2 and k in self.g3]
-        remote_keys: list[BlockKey] = []
-        if remote is not None and self.remote is not None:
-            held = set(resident).union(g3_keys)
-            remote_keys = [k for k in op.keys if k not in held and k in remote.keys]
-        missing = set(op.keys).difference(resident, remote_keys, g3_keys)
-        if missing:
-            op.failure = f"{op.kind}: {len(missing)} keys are neither local nor covered by a hint"
-            self.outbox.answer(op, dict.fromkeys(missing, FAILED))
-        return g3_keys, remote_keys
+    def _confirm(self, command: Confirm) -> None:
+        if self.tiers.destination is not None:
+            self.tiers.destination.confirm(command.handle)
 
-    async def _read(self, op: Operation, destinations: Any, remote: Hinted | None) -> None:
-        """deliver or fetch: keys in local G2 locally, keys the request's hint covers from
-        the hinted peer, both at once; other keys fail."""
-        found = self.index.lookup(op.keys)
-        in_g2 = found.held()
-        resident = op.keys  # all of them, usually: nothing else to work out
-        g3_keys: list[BlockKey] = []
-        remote_keys: list[BlockKey] = []
-        if not in_g2.all():
-            resident = [k for k, h in zip(op.keys, in_g2.tolist()) if h]
-            found = found.subset(in_g2)
-            g3_keys, remote_keys = self._elsewhere(op, resident, remote)
-        if remote_keys and remote is not None:
-            op.remote = RemotePart(
-                frozenset(remote_keys), remote.request, remote.mode, remote.no_retain
-            )
-        parts = []
-        if resident and self.local is not None:
-            if op.kind == "deliver":
-                # The lookup holds while nothing runs in between: when local G2 is the only
-                # part, awaited at once.
-                alone = not g3_keys and not remote_keys
-                looked_up = found if alone else None
-                parts.append(self.local.deliver(op, destinations, resident, looked_up))
-            elif filling := self.local.fetch_ready(op, resident):
-                # The ready keys are claimed already: making room for the other parts
-                # cannot evict them.
-                parts.append(self.local.fetch(op, filling))
-        elif resident:
-            self.outbox.answer(op, dict.fromkeys(resident, FAILED))
-        if g3_keys:
-            assert self.local is not None
-            if op.kind == "deliver":
-                parts.append(self.local.deliver_g3(op, destinations, g3_keys))
-            else:
-                parts.append(self.local.fetch_g3(op, g3_keys))
-        if remote_keys:
-            assert self.remote is not None and remote is not None
-            if op.kind == "deliver":
-                parts.append(self.remote.deliver(op, destinations, remote_keys, remote.endpoint))
-            else:
-                parts.append(self.remote.fetch(op, remote_keys, remote.endpoint))
-        if len(parts) == 1:
-            await parts[0]  # the common case: no task hop
-        elif parts:
-            async with trio.open_nursery() as nursery:
-                for part in parts:
-                    nursery.start_soon(_await, part)
-
-    async def _run_op(self, op: Operation, body: Any) -> None:
-        timed_out = False
-        try:
-            op.scope.deadline = op.deadline
-            with op.scope:
-                await body
-            timed_out = op.scope.cancelled_caught and op.deadline <= trio.current_time()
-        finally:
-            reason = "closed" if not timed_out else None
-            if timed_out:
-                reason = f"{op.kind}: timed out after {self.config.operation_timeout_ms} ms"
-            if self.local is not None:
-                self.local.withdraw(op, list(op.pending))
-            self.outbox.fail_pending(op, op.failure or reason or f"{op.kind}: failed")
-            if op.remote.failed and op.remote.keys:
-                self.outbox.failed_hints.append(op.remote.request)
-            self.ops.pop(op.handle, None)
-            record(op, self.telemetry, self.memory, self.log)
-            # In the root nursery: it must keep watching (and probing peers) while the
-            # runtime stops, which cancels the operations first.
-            if op.xfers and self._root is not None and not self.closed.is_set():
-                self._root.start_soon(self._watch_abandoned, op)
-
-    async def _watch_abandoned(self, op: Operation) -> None:
-        """What the failed operation left in flight (local transfers, pulls a peer may still
-        write) must end by ``abandon_timeout_ms``; what has not is reported then, and its
-        memory stays held until it ends."""
-        with trio.move_on_at(op.abandon_at):
-            while op.xfers:  # each one leaves op.xfers when it ends
-                await next(iter(op.xfers)).done.wait()
-            return
-        local = [x for x in op.xfers if isinstance(x, Xfer)]
-        if local:
-            self.log.warning(
-                "transfer_abandoned",
-                op=op.handle,
-                kind=op.kind,
-                transfers=len(local),
-                reason="still in flight past abandon_timeout_ms; its memory stays held",
-            )
-        for pull in [x for x in op.xfers if isinstance(x, RemotePull)]:
-            assert self.peers is not None
-            self.peers.quarantine(op, pull)
-
-    def _abort(self, handle: int, keys: list[BlockKey] | None) -> None:
-        op = self.ops.get(handle)
-        if op is None:
-            return
-        targets = list(op.pending) if keys is None else [k for k in keys if k in op.pending]
-        if not targets:
-            return
-        op.failure = op.failure or f"{op.kind}: aborted"
-        if self.local is not None:
-            self.local.withdraw(op, targets)
-        self.outbox.answer(op, dict.fromkeys(targets, FAILED))
-        if not op.pending:
-            op.scope.cancel()
+    def _align(self, command: Align) -> None:
+        if self.tiers.local is not None:
+            self.tiers.local.align(command.keys, command.use_current_time, trio.current_time())
 
     def audit(self) -> list[str]:
         """Memory held that nobody owns, once quiet (see ``runtime/audit.py``)."""
-        return audit(self)
+        return audit(
+            index=self.index,
+            transfers=self.transfers,
+            local=self.tiers.local,
+            live_handles=self.shared.live_handles,
+            ops=self.ops,
+            links=self.links,
+            source=self.source,
+            pins=self.pins if self.plane is not None else None,
+        )
 
     # -- published state -----------------------------------------------------------------
 
@@ -552,5 +491,18 @@ class Runtime(Part):
             "release_handles": len(self.shared.live_handles),
             **({"journal_fill_percent": self.mirror.fill_percent} if self.mirror else {}),
             **(self._g3_gauges() if self.g3 is not None else {}),
-            **(self.peers.gauges() if self.peers is not None else {}),
+            **(self._peer_gauges() if self.plane is not None else {}),
+        }
+
+    def _peer_gauges(self) -> dict[str, float]:
+        """Read from engine threads (get_stats): only atomic reads of runtime state."""
+        assert self.plane is not None and self.links is not None and self.source is not None
+        source = self.source
+        return {
+            "peer_links": self.links.ready_count(),
+            "pulls_in_flight": self.links.pulls_in_flight(),
+            "source_jobs": len(source.jobs),
+            "source_stalled": int(source.stalled),
+            "source_written_blocks": source.written_blocks,
+            **self.plane.counts(),
         }

@@ -25,32 +25,37 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING, cast
+from collections.abc import Callable
+from typing import Any, cast
 
 import attrs
 import trio
 
-from kvcr.runtime.lifecycle import JOB, WRITING, wire_state
-from kvcr.runtime.ops import Deadlines
-from kvcr.runtime.part import Part
+from kvcr.config import KVCRConfig
+from kvcr.runtime.lifecycle import (
+    JOB,
+    LATE,
+    WRITING,
+    JobEvent,
+    JobState,
+    MemoryState,
+    wire_state,
+)
+from kvcr.runtime.local import LocalG2
+from kvcr.runtime.memory import MemoryMap
+from kvcr.runtime.moves import Copies
+from kvcr.runtime.ops import Deadlines, Outbox
 from kvcr.runtime.pins import Pin, Pins
-from kvcr.runtime.transfers import Xfer
+from kvcr.runtime.plane import Plane
+from kvcr.runtime.transfers import Transfers, Xfer
 from kvcr.store.index import Block, BlockIndex
+from kvcr.telemetry import Telemetry
 from kvcr.transport import messages as m
-from kvcr.transport.base import TransportError
+from kvcr.transport.base import Transport, TransportError
 from kvcr.types import BlockKey, TransferError
-
-if TYPE_CHECKING:
-    from kvcr.runtime.build import Context, Shared
-    from kvcr.runtime.local import LocalG2
-    from kvcr.runtime.plane import Plane
-    from kvcr.runtime.transfers import Transfers
-    from kvcr.transport.base import Transport
-
 
 SEEN_PULLS = 4096  # requests remembered per destination incarnation
 SEEN_INCARNATIONS = 64  # destination incarnations remembered (least recently pulling goes)
-MAX_MOVES = 4096  # move pulls written and awaiting Confirm; older ones keep their copies
 
 
 @attrs.define(eq=False)
@@ -99,7 +104,7 @@ class SourceJob:
     msg: m.Pull
     agent: str
     clock: Deadlines  # from the pull's arrival: bounds the wait for pins
-    state: str = "pending"  # see lifecycle.JOB; moved only by move()
+    state: JobState = JobState.PENDING  # see lifecycle.JOB; moved only by move()
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     claims: list[Block] = attrs.field(factory=list)
     pins: list[Pin] = attrs.field(factory=list)
@@ -114,37 +119,44 @@ class SourceJob:
         """The pull's keys: raw bytes on the wire, the block keys they name from here on."""
         return cast("list[BlockKey]", self.msg.keys)
 
-    def move(self, event: str) -> str:
+    def move(self, event: JobEvent) -> JobState:
         self.state = JOB.move(self.state, event, f"req {self.msg.req} to {self.agent}")
         return self.state
 
 
-class Source(Part):
+class Source:
     def __init__(
         self,
-        context: Context,
-        shared: Shared,
+        *,
         plane: Plane,
         transfers: Transfers[Transport],
         index: BlockIndex,
         local: LocalG2 | None,
         pins: Pins,
+        memory: MemoryMap,
+        config: KVCRConfig,
+        outbox: Outbox,
+        telemetry: Telemetry,
+        op_ids: Callable[[], int],  # the handles of the TransferErrors it reports
+        log: Any,
     ) -> None:
-        super().__init__(context, shared)
         self.plane = plane
         self.transport = plane.transport
         self.transfers = transfers
         self.index = index
         self.local = local
         self.pins = pins
-        self.op_ids = context.op_ids
+        self.memory = memory
+        self.config = config
+        self.outbox = outbox
+        self.telemetry = telemetry
+        self.op_ids = op_ids
+        self.log = log
         self.agents_by_incarnation: dict[int, str] = {}  # destinations we have metadata of
         self.jobs: dict[tuple[int, int], SourceJob] = {}  # (dst incarnation, req) -> job
         self.seen = SeenPulls()
         self.written_blocks = 0  # keys written to destinations, for the guard's metrics
-        # (destination incarnation, req) -> (its endpoint, the pull's keys written from
-        # local G2 by index): a move pull's copies, dropped when the destination confirms.
-        self.moves: OrderedDict[tuple[int, int], tuple[str, dict[int, BlockKey]]] = OrderedDict()
+        self.moves = Copies(log)  # a move pull's copies, dropped when the destination confirms
         self.closing = False
         self._settled = trio.Event()  # set whenever a job leaves "pending"
 
@@ -153,11 +165,11 @@ class Source(Part):
         until they have released their claims and pins (writes in flight end on their own)."""
         self.closing = True
         for job in list(self.jobs.values()):
-            if job.state == "pending":
+            if job.state is JobState.PENDING:
                 job.scope.cancel()
         # A cancelled pin wait ends at its next checkpoint: this is bounded only for safety.
         with trio.move_on_after(self.config.operation_timeout_ms / 1000):
-            while any(job.state == "pending" for job in self.jobs.values()):
+            while any(job.state is JobState.PENDING for job in self.jobs.values()):
                 self._settled = trio.Event()
                 await self._settled.wait()
             return
@@ -172,7 +184,7 @@ class Source(Part):
         """A write ran past its operation timeout: this source refuses new pulls until the
         late writes end."""
         # list() copies in one step: get_stats reads this from an engine thread.
-        return any(job.state in ("stalled", "uncertain") for job in list(self.jobs.values()))
+        return any(job.state in LATE for job in list(self.jobs.values()))
 
     def on_hello(self, msg: m.Hello) -> None:
         new = msg.incarnation not in self.agents_by_incarnation
@@ -257,16 +269,17 @@ class Source(Part):
 
     def on_probe(self, msg: m.Probe) -> None:
         job = self.jobs.get((msg.incarnation, msg.req))
-        state = wire_state(job.state) if job is not None else "over"
+        state = wire_state(job.state) if job is not None else JobState.OVER
         if job is None:
             # "over" is a promise that this pull never writes: if the Pull itself is still
             # on its way (delayed, reordered behind this probe), it must be refused.
             self.seen.add(msg.incarnation, msg.req)
-        if job is not None and state == "pending" and msg.cancel:
+        if job is not None and state is JobState.PENDING and msg.cancel:
             job.scope.cancel()
-            state = "over"
+            state = JobState.OVER
         self.plane.send(
-            msg.sender, m.ProbeAck(self.plane.my_endpoint(), self.plane.incarnation, msg.req, state)
+            msg.sender,
+            m.ProbeAck(self.plane.my_endpoint(), self.plane.incarnation, msg.req, state.value),
         )
 
     async def _serve(self, job: SourceJob, wanted: dict[int, list[int]]) -> None:
@@ -274,7 +287,7 @@ class Source(Part):
             await self._pin_missing(job, wanted)
         except Exception as exc:  # a bug must not leak claims or pins
             self.log.exception("source_job_failed", req=job.msg.req, error=repr(exc))
-            if job.state == "pending":
+            if job.state is JobState.PENDING:
                 self._end_job(job, "the source failed to prepare the write")
 
     async def _pin_missing(self, job: SourceJob, wanted: dict[int, list[int]]) -> None:
@@ -383,7 +396,7 @@ class Source(Part):
         except TransportError as exc:
             self._write_failed(job, len(indices), f"the write could not be posted: {exc}")
             return
-        job.move("post")
+        job.move(JobEvent.POST)
         self._settled.set()
         job.write_clock = Deadlines.starting(trio.current_time(), self.config)
         job.xfer = self.transfers.track(handle, what, nbytes, terminal)
@@ -399,22 +412,16 @@ class Source(Part):
         ours = {i: keys[i] for i in indices if keys[i] in from_g2}
         if not ours:
             return
-        self.moves[(job.msg.incarnation, job.msg.req)] = (job.msg.sender, ours)
-        if len(self.moves) > MAX_MOVES:
-            (_, req), _ = self.moves.popitem(last=False)
-            self.log.info("move_kept", req=req, reason="no confirmation among the last moves")
+        self.moves.add(job.msg.incarnation, job.msg.req, job.msg.sender, ours)
 
     def on_confirm(self, msg: m.Confirm) -> None:
         """The destination of a move pull has the keys for good: drop our copies (those not
         being read right now; a reader's claim keeps its block)."""
-        entry = self.moves.get((msg.incarnation, msg.req))
-        if entry is None or entry[0] != msg.sender:
+        keys = self.moves.confirmed(msg.incarnation, msg.req, msg.sender, msg.indices)
+        if keys is None:
             # Not a move we wrote (this process restarted since, or a stranger): keep all.
             self.plane.drop("unknown_confirm", f"{msg.sender} req {msg.req}")
             return
-        del self.moves[(msg.incarnation, msg.req)]
-        written = entry[1]
-        keys = [written[i] for i in msg.indices if i in written]
         if self.local is not None and keys:
             dropped = self.local.drop_unclaimed(keys, "moved")
             self.log.info("move_confirmed", req=msg.req, keys=len(keys), dropped=len(dropped))
@@ -443,7 +450,7 @@ class Source(Part):
             return
         if not self.stalled:
             self.log.warning("source_stalled", to=job.agent, req=job.msg.req)
-        job.move("late")
+        job.move(JobEvent.LATE)
         with trio.move_on_at(clock.abandon_at):
             await xfer.done.wait()
         if xfer.done.is_set():
@@ -451,20 +458,20 @@ class Source(Part):
         if self.transfers.cancel(xfer):
             self.log.warning("source_write_cancelled", to=job.agent, req=job.msg.req)
             return
-        job.move("abandon_deadline")
+        job.move(JobEvent.ABANDON_DEADLINE)
         handle = self.op_ids()
         if job.pinned_keys:
-            self.outbox.report(self._source_error(job, handle, "uncertain"))
+            self.outbox.report(self._source_error(job, handle, MemoryState.UNCERTAIN))
         await xfer.done.wait()
         if job.pinned_keys:
-            self.outbox.report(self._source_error(job, handle, "quiesced"))
+            self.outbox.report(self._source_error(job, handle, MemoryState.QUIESCED))
 
-    def _source_error(self, job: SourceJob, handle: int, state: str) -> TransferError:
+    def _source_error(self, job: SourceJob, handle: int, state: MemoryState) -> TransferError:
         """Only engine memory is reported: KVCR's own claimed slots are KVCR's to hold."""
         return TransferError(
             f"source write req {job.msg.req} to {job.agent}: still running past abandon_timeout_ms",
             handle,
-            state=state,
+            state=state.value,
             source_blocks=tuple(job.pinned_keys),
             source_owners=("framework",),
         )
@@ -473,7 +480,7 @@ class Source(Part):
         """The write is over (or never happened): release claims and pins, tell the
         destination when it will get no notification."""
         was_stalled = self.stalled
-        job.move("end")
+        job.move(JobEvent.END)
         self._settled.set()
         for block in job.claims:
             assert self.local is not None  # only local G2 blocks are claimed
