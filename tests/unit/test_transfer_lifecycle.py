@@ -10,6 +10,7 @@ import enum
 
 import pytest
 
+from kvcr.runtime.deadlines import Deadlines
 from kvcr.runtime.lifecycle import (
     FRAMEWORK_MEMORY,
     JOB,
@@ -25,10 +26,9 @@ from kvcr.runtime.lifecycle import (
     PullEvent,
     PullState,
     RemotePull,
+    SourceJob,
     wire_state,
 )
-from kvcr.runtime.ops import Deadlines
-from kvcr.runtime.source import SourceJob
 from kvcr.statetable import IllegalMove, Table
 from kvcr.transport import messages as m
 

@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import trio
 
+from kvcr.config import G3Options
 from kvcr.g3.files import G3Files
 from kvcr.runtime.claims import claim, unclaim
+from kvcr.runtime.memory import MemoryMap
 from kvcr.runtime.transfers import Transfers, Xfer
 from kvcr.store.index import Block, BlockIndex, BlockState, Published, SlotPool
 from kvcr.telemetry import SCOPE_G3_FILL, SCOPE_G3_STORE, result_label
@@ -40,6 +43,30 @@ FETCHABLE_G3 = (QueryStatus.FETCHABLE, CacheTier.G3)
 # What runs once a G3 transfer is terminal: the transfer (None if nothing was posted), and
 # the keys it moved (stored, or read and still vouched for).
 Then = Callable[[Xfer | None, set[BlockKey]], None]
+
+
+def open_g3(
+    opts: G3Options, templates: Sequence[Path], memory: MemoryMap, agent: str, ephemeral: bool
+) -> tuple[G3Files, Any]:
+    """Open the G3 files and their NIXL agent, registered against ``memory``'s pools
+    (blocking: file set-up and registration). ``ephemeral``: the files are this process's
+    alone (no guard journal names them), removed at close."""
+    from kvcr.transport.nixl_files import NixlFileTransport  # nixl only where G3 is used
+
+    files = G3Files(
+        opts.paths,
+        opts.capacity_bytes_per_file,
+        memory.block_sizes[0],
+        templates=templates,
+        ephemeral=ephemeral,
+    )
+    try:
+        transport = NixlFileTransport(agent, opts.backend, dict(opts.backend_options))
+        transport.open(memory.segments, [(f.fd, f.size) for f in files.files], files.slot_rows())
+    except BaseException:
+        files.close()
+        raise
+    return files, transport
 
 
 class G3Tier:
@@ -71,6 +98,22 @@ class G3Tier:
         # Generations only grow, across restarts too: a record written by an earlier
         # process can never match what this one expects.
         self._next_generation = time.time_ns()
+
+    def gauges(self) -> dict[str, float]:
+        pool = self.index.pools[0]
+        return {
+            "g3_capacity_bytes": pool.capacity * pool.block_size,
+            "g3_used_bytes": pool.used * pool.block_size,
+            "g3_blocks": self.index.ready_count,
+        }
+
+    def close(self, leaked: bool) -> None:
+        """Close the files and their agent, unless a transfer might still touch them."""
+        if leaked or self.transfers.in_flight:
+            self.log.error("g3_kept", reason="G3 transfers in flight at close")
+            return
+        self.transport.close()
+        self.files.close()
 
     def __contains__(self, key: BlockKey) -> bool:
         block = self.index.get(key)

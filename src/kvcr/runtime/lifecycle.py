@@ -21,7 +21,7 @@ the source is probed with ``cancel``, and the memory stays held. ``abandon_deadl
 ``done`` and ``turned_away`` free the memory, and only an answer from the source (or its
 restart, seen as a new incarnation at its endpoint) gets there.
 
-Source, a :class:`~kvcr.runtime.source.SourceJob` (:data:`JOB`)::
+Source, a :class:`SourceJob` (:data:`JOB`)::
 
     pending ──post──▶ writing ──late──▶ stalled ──abandon_deadline──▶ uncertain
        │                 │                 │                              │
@@ -48,7 +48,7 @@ transfer of the operation is terminal (``ops.Outbox``).
 Every move goes through :meth:`~kvcr.statetable.Table.move` (``statetable.py``, the one
 table mechanism); anything the table does not allow is a bug and raises
 :class:`~kvcr.statetable.IllegalMove`. Every deadline comes from one place,
-:class:`~kvcr.runtime.ops.Deadlines`, measured from the operation's start (destination;
+:class:`~kvcr.runtime.deadlines.Deadlines`, measured from the operation's start (destination;
 restarted once a first contact's link is ready), the pull's arrival (a source's pins) or
 the write's posting (a source's write).
 """
@@ -56,11 +56,17 @@ the write's posting (a source's write).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import attrs
 import trio
 
+from kvcr.runtime.deadlines import Deadlines
+from kvcr.runtime.pins import Pin
+from kvcr.runtime.transfers import Xfer
 from kvcr.statetable import StrEnum, Table
+from kvcr.store.index import Block
+from kvcr.transport import messages as m
 from kvcr.types import BlockKey
 
 
@@ -224,3 +230,28 @@ class RemotePull:
         self.done.set()
         for callback in self.on_over:
             callback()
+
+
+@attrs.define(eq=False)
+class SourceJob:
+    msg: m.Pull
+    agent: str
+    clock: Deadlines  # from the pull's arrival: bounds the wait for pins
+    state: JobState = JobState.PENDING  # see lifecycle.JOB; moved only by move()
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    claims: list[Block] = attrs.field(factory=list)
+    pins: list[Pin] = attrs.field(factory=list)
+    xfer: Xfer | None = None
+    # From the write's posting: a write is an operation of its own, and pins that came late
+    # must not make a healthy write look stalled.
+    write_clock: Deadlines | None = None
+    pinned_keys: list[BlockKey] = attrs.field(factory=list)  # written from engine memory
+
+    @property
+    def keys(self) -> list[BlockKey]:
+        """The pull's keys: raw bytes on the wire, the block keys they name from here on."""
+        return cast("list[BlockKey]", self.msg.keys)
+
+    def move(self, event: JobEvent) -> JobState:
+        self.state = JOB.move(self.state, event, f"req {self.msg.req} to {self.agent}")
+        return self.state

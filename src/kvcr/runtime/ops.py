@@ -20,6 +20,7 @@ from typing import Any
 import attrs
 import trio
 
+from kvcr.runtime.deadlines import Deadlines
 from kvcr.runtime.engine_calls import EngineCalls
 from kvcr.runtime.lifecycle import FRAMEWORK_MEMORY, MemoryEvent, MemoryState, RemotePull
 from kvcr.runtime.transfers import Xfer
@@ -37,26 +38,6 @@ class OpKind(StrEnum):
     DEPOSIT = "deposit"
     FETCH = "fetch"
     DELIVER = "deliver"
-
-
-@attrs.frozen
-class Deadlines:
-    """The two deadlines of an operation (or of a source's pull), both measured from one
-    start: ``operation_timeout_ms`` answers the caller, ``abandon_timeout_ms`` is when
-    memory a transfer still holds is reported. Every deadline of an operation or a pull is
-    computed here."""
-
-    start: float
-    deadline: float
-    abandon_at: float
-
-    @classmethod
-    def starting(cls, start: float, config: Any) -> Deadlines:
-        return cls(
-            start,
-            start + config.operation_timeout_ms / 1000,
-            start + config.abandon_timeout_ms / 1000,
-        )
 
 
 @attrs.frozen

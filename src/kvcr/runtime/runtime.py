@@ -32,7 +32,6 @@ import attrs
 import trio
 
 from kvcr.config import InstanceG3Options
-from kvcr.g3.files import G3Files
 from kvcr.runtime.audit import audit
 from kvcr.runtime.commands import (
     Abort,
@@ -47,19 +46,18 @@ from kvcr.runtime.commands import (
     Release,
 )
 from kvcr.runtime.context import Context, Journal, Shared
-from kvcr.runtime.destination import Destination
-from kvcr.runtime.g3 import G3Tier
+from kvcr.runtime.g3 import G3Tier, open_g3
 from kvcr.runtime.links import Links
 from kvcr.runtime.local import LocalG2
 from kvcr.runtime.mirror import Mirror, recover
 from kvcr.runtime.operations import Operations, Tiers
+from kvcr.runtime.peers import Peers
 from kvcr.runtime.pins import Pins
-from kvcr.runtime.plane import Plane, Sides
+from kvcr.runtime.plane import Plane
 from kvcr.runtime.residency import index_options
 from kvcr.runtime.source import Source
 from kvcr.runtime.transfers import Transfers
 from kvcr.store.index import BlockIndex, Published, slot_pools
-from kvcr.transport import messages as m
 from kvcr.transport.base import Transport
 from kvcr.types import CacheTier, InventoryEvent
 
@@ -106,9 +104,7 @@ class Runtime:
         self.transfers: Transfers[Transport] | None = None
         self.tiers = Tiers()  # local G2, G3 and the peers' destination side, once started
         self.pins: Pins | None = None
-        self.plane: Plane | None = None  # the peer control plane, if peers are enabled
-        self.links: Links | None = None
-        self.source: Source | None = None
+        self.peers: Peers | None = None  # the peer control plane and both sides, if enabled
         self.operations = Operations(
             index=self.index,
             tiers=self.tiers,
@@ -142,8 +138,16 @@ class Runtime:
         return self.tiers.g3
 
     @property
-    def destination(self) -> Destination | None:
-        return self.tiers.destination
+    def plane(self) -> Plane | None:
+        return self.peers.plane if self.peers is not None else None
+
+    @property
+    def links(self) -> Links | None:
+        return self.peers.links if self.peers is not None else None
+
+    @property
+    def source(self) -> Source | None:
+        return self.peers.source if self.peers is not None else None
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -232,7 +236,7 @@ class Runtime:
         """Give back what the runtime holds, unless a transfer might still touch it."""
         try:
             if self.g3 is not None:
-                self._close_g3(leaked)
+                self.g3.close(leaked)
             if self.mirror is not None:
                 await self._blocking(self.mirror.close)  # the journal's last flush
             elif self.journal is not None:
@@ -273,34 +277,15 @@ class Runtime:
     async def _start_g3(self, root: trio.Nursery, local: LocalG2, fine: bool) -> None:
         """Open the G3 files and their NIXL agent (off the loop: file setup and
         registration block), and let the pool spill to them."""
-        from kvcr.transport.nixl_files import NixlFileTransport  # the only nixl import here
-
         opts = self.context.g3
         assert opts is not None
         templates = opts.templates if isinstance(opts, InstanceG3Options) else opts.paths
-
-        def open_files() -> tuple[G3Files, NixlFileTransport]:
-            files = G3Files(
-                opts.paths,
-                opts.capacity_bytes_per_file,
-                self.memory.block_sizes[0],
-                templates=templates,
-                # Without a guard's journal no later instance reads these files.
-                ephemeral=self.journal is None,
-            )
-            try:
-                transport = NixlFileTransport(
-                    f"{self.config.nixl_agent_name}-g3", opts.backend, dict(opts.backend_options)
-                )
-                transport.open(
-                    self.memory.segments, [(f.fd, f.size) for f in files.files], files.slot_rows()
-                )
-            except BaseException:
-                files.close()
-                raise
-            return files, transport
-
-        files, transport = await self._blocking(open_files)
+        # Without a guard's journal no later instance reads these files.
+        ephemeral = self.journal is None
+        name = f"{self.config.nixl_agent_name}-g3"
+        files, transport = await self._blocking(
+            open_g3, opts, templates, self.memory, name, ephemeral
+        )
         self.log.info(
             "g3_paths",
             templates=[str(t) for t in templates],
@@ -326,23 +311,6 @@ class Runtime:
             if restored:
                 self.shared.calls.inventory(InventoryEvent(tuple(restored), CacheTier.G3, False))
 
-    def _g3_gauges(self) -> dict[str, float]:
-        assert self.g3 is not None
-        pool = self.g3.index.pools[0]
-        return {
-            "g3_capacity_bytes": pool.capacity * pool.block_size,
-            "g3_used_bytes": pool.used * pool.block_size,
-            "g3_blocks": self.g3.index.ready_count,
-        }
-
-    def _close_g3(self, leaked: bool) -> None:
-        assert self.g3 is not None
-        if leaked or self.g3.transfers.in_flight:
-            self.log.error("g3_kept", reason="G3 transfers in flight at close")
-            return
-        self.g3.transport.close()
-        self.g3.files.close()
-
     async def _start_warm(self, local: LocalG2, journal: Journal) -> None:
         """Recover the blocks the group's journal holds, then mirror changes into it. The
         replay (up to the journal's 100 MiB) runs off a shared loop; nothing else touches
@@ -362,57 +330,19 @@ class Runtime:
             self.shared.calls.inventory(InventoryEvent(tuple(keys), CacheTier.LOCAL_G2, False))
 
     async def _start_peers(self, nursery: trio.Nursery, transport: Transport, pins: Pins) -> None:
-        context = self.context
-        initialize = getattr(context.control, "initialize", None)
-        if callable(initialize):
-            initialize()  # idempotent on ZmqPeerControlChannel; binds if the adapter did not
         assert self.transfers is not None
-        plane = self.plane = Plane(context.control, transport, context.cluster_key, self.log)
-        source = self.source = Source(
-            plane=plane,
+        peers = self.peers = Peers.assemble(
+            self.context,
+            transport=transport,
             transfers=self.transfers,
             index=self.index,
             local=self.tiers.local,
             pins=pins,
-            memory=self.memory,
-            config=self.config,
             outbox=self.outbox,
             telemetry=self.telemetry,
-            op_ids=context.op_ids,
-            log=self.log,
         )
-        links = self.links = Links(
-            plane=plane,
-            config=self.config,
-            retry_interval_s=context.remote.metadata_retry_interval_ms / 1000,
-            telemetry=self.telemetry,
-            log=self.log,
-        )
-        destination = self.tiers.destination = Destination(
-            plane=plane,
-            links=links,
-            index=self.index,
-            local=self.tiers.local,
-            memory=self.memory,
-            outbox=self.outbox,
-            log=self.log,
-        )
-        sides = Sides(
-            handlers={
-                m.Hello: source.on_hello,
-                m.HelloAck: links.on_hello_ack,
-                m.Pull: source.on_pull,
-                m.Over: destination.on_over,
-                m.Probe: source.on_probe,
-                m.ProbeAck: destination.on_probe_ack,
-                m.Confirm: source.on_confirm,
-            },
-            on_written=destination.on_written,
-            busy=lambda: bool(links.pulls_in_flight()) or source.writing,
-            connected=lambda: bool(links.links or source.agents_by_incarnation),
-            due=destination.due,
-        )
-        await nursery.start(plane.run, sides)
+        self.tiers.destination = peers.destination
+        await nursery.start(peers.plane.run, peers.sides())
 
     async def _quiesce(self) -> bool:
         """Wait, up to abandon_timeout_ms, until nothing can touch our memory: no local or
@@ -490,19 +420,6 @@ class Runtime:
             "transfers_in_flight": self.transfers.in_flight if self.transfers else 0,
             "release_handles": len(self.shared.live_handles),
             **({"journal_fill_percent": self.mirror.fill_percent} if self.mirror else {}),
-            **(self._g3_gauges() if self.g3 is not None else {}),
-            **(self._peer_gauges() if self.plane is not None else {}),
-        }
-
-    def _peer_gauges(self) -> dict[str, float]:
-        """Read from engine threads (get_stats): only atomic reads of runtime state."""
-        assert self.plane is not None and self.links is not None and self.source is not None
-        source = self.source
-        return {
-            "peer_links": self.links.ready_count(),
-            "pulls_in_flight": self.links.pulls_in_flight(),
-            "source_jobs": len(source.jobs),
-            "source_stalled": int(source.stalled),
-            "source_written_blocks": source.written_blocks,
-            **self.plane.counts(),
+            **(self.g3.gauges() if self.g3 is not None else {}),
+            **(self.peers.gauges() if self.peers is not None else {}),
         }

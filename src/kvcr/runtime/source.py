@@ -24,104 +24,35 @@ memory is ``uncertain``
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, deque
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
-import attrs
 import trio
 
 from kvcr.config import KVCRConfig
+from kvcr.runtime.deadlines import Deadlines
 from kvcr.runtime.lifecycle import (
-    JOB,
     LATE,
     WRITING,
     JobEvent,
     JobState,
     MemoryState,
+    SourceJob,
     wire_state,
 )
 from kvcr.runtime.local import LocalG2
 from kvcr.runtime.memory import MemoryMap
 from kvcr.runtime.moves import Copies
-from kvcr.runtime.ops import Deadlines, Outbox
-from kvcr.runtime.pins import Pin, Pins
+from kvcr.runtime.ops import Outbox
+from kvcr.runtime.pins import Pins
 from kvcr.runtime.plane import Plane
+from kvcr.runtime.seen_pulls import SeenPulls
 from kvcr.runtime.transfers import Transfers, Xfer
-from kvcr.store.index import Block, BlockIndex
+from kvcr.store.index import BlockIndex
 from kvcr.telemetry import Telemetry
 from kvcr.transport import messages as m
 from kvcr.transport.base import Transport, TransportError
-from kvcr.types import BlockKey, TransferError
-
-SEEN_PULLS = 4096  # requests remembered per destination incarnation
-SEEN_INCARNATIONS = 64  # destination incarnations remembered (least recently pulling goes)
-
-
-@attrs.define(eq=False)
-class _Window:
-    """One destination incarnation's requests seen. Its requests are numbered upward, so
-    the oldest ones are forgotten into ``floor``: anything at or below it counts as seen
-    (a pull that late is refused, which is the safe side)."""
-
-    reqs: set[int] = attrs.field(factory=set)
-    order: deque[int] = attrs.field(factory=deque)
-    floor: int = 0
-
-    def add(self, req: int) -> bool:
-        if req <= self.floor or req in self.reqs:
-            return False
-        self.reqs.add(req)
-        self.order.append(req)
-        if len(self.order) > SEEN_PULLS:
-            old = self.order.popleft()
-            self.reqs.discard(old)
-            self.floor = max(self.floor, old)
-        return True
-
-
-class SeenPulls:
-    """Pull requests this source has acted on, per destination incarnation (bounded)."""
-
-    def __init__(self) -> None:
-        self._windows: OrderedDict[int, _Window] = OrderedDict()
-
-    def add(self, incarnation: int, req: int) -> bool:
-        """Record ``req``; False if it was seen (or forgotten as too old) before."""
-        window = self._windows.pop(incarnation, None) or _Window()
-        self._windows[incarnation] = window  # most recently used last
-        if len(self._windows) > SEEN_INCARNATIONS:
-            self._windows.popitem(last=False)
-        return window.add(req)
-
-    def forget(self, incarnation: int) -> None:
-        """That destination process is gone (a new incarnation greeted from its agent)."""
-        self._windows.pop(incarnation, None)
-
-
-@attrs.define(eq=False)
-class SourceJob:
-    msg: m.Pull
-    agent: str
-    clock: Deadlines  # from the pull's arrival: bounds the wait for pins
-    state: JobState = JobState.PENDING  # see lifecycle.JOB; moved only by move()
-    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
-    claims: list[Block] = attrs.field(factory=list)
-    pins: list[Pin] = attrs.field(factory=list)
-    xfer: Xfer | None = None
-    # From the write's posting: a write is an operation of its own, and pins that came late
-    # must not make a healthy write look stalled.
-    write_clock: Deadlines | None = None
-    pinned_keys: list[BlockKey] = attrs.field(factory=list)  # written from engine memory
-
-    @property
-    def keys(self) -> list[BlockKey]:
-        """The pull's keys: raw bytes on the wire, the block keys they name from here on."""
-        return cast("list[BlockKey]", self.msg.keys)
-
-    def move(self, event: JobEvent) -> JobState:
-        self.state = JOB.move(self.state, event, f"req {self.msg.req} to {self.agent}")
-        return self.state
+from kvcr.types import TransferError
 
 
 class Source:

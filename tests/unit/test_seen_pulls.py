@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvcr.runtime import source
-from kvcr.runtime.source import SeenPulls
+from kvcr.runtime import seen_pulls
+from kvcr.runtime.seen_pulls import SeenPulls
 
 
 def test_a_request_is_new_once() -> None:
@@ -14,7 +14,7 @@ def test_a_request_is_new_once() -> None:
 
 
 def test_forgotten_requests_count_as_seen(monkeypatch) -> None:
-    monkeypatch.setattr(source, "SEEN_PULLS", 3)
+    monkeypatch.setattr(seen_pulls, "SEEN_PULLS", 3)
     seen = SeenPulls()
     assert all(seen.add(7, req) for req in (2, 3, 4, 5))  # 2 is forgotten into the floor
     assert seen.add(7, 2) is False
@@ -30,7 +30,7 @@ def test_a_replaced_incarnation_is_forgotten() -> None:
 
 
 def test_the_least_recently_pulling_incarnation_goes_first(monkeypatch) -> None:
-    monkeypatch.setattr(source, "SEEN_INCARNATIONS", 2)
+    monkeypatch.setattr(seen_pulls, "SEEN_INCARNATIONS", 2)
     seen = SeenPulls()
     seen.add(1, 1)
     seen.add(2, 1)
