@@ -1,6 +1,6 @@
 """The benchmarks' harness, the one module the scripts import: result rows and their output
 (table and JSON lines), the command line and a script's ``main``, buffers, percentiles, CPU
-accounting, the guard service; and, from ``engine_loop.py``, kvcr instances, the raw NIXL
+accounting; and, from ``engine_loop.py``, kvcr instances and the guard service, the raw NIXL
 baselines and the engine's loop (poll until done), re-exported here.
 
 A script is the cases it measures: ``main`` hands :func:`run_main` a function that takes the
@@ -228,24 +228,25 @@ def repeated(script: str, args: argparse.Namespace, title: str) -> int:
 
 
 def run_main(
-    script: str,
-    doc: str,
-    quick_help: str,
-    title: str,
     measure: Callable[[argparse.Namespace], tuple[list[Row], list[str]]],
     argv: Sequence[str] | None,
+    title: str,
+    quick_help: str,
     load: tuple[str, str] | None = None,
     children: bool = False,
     by_magnitude: bool = True,
 ) -> int:
-    """A script's ``main``: the command line (``doc``'s first paragraph describes the script);
-    with ``--runs N``, :func:`repeated`; else ``measure(args)`` gives the rows and notes, and
-    :func:`report` prints them. ``load``: (who, what needs the cores) for a closing note on
-    the CPU other processes took meanwhile (:class:`MachineLoad`, ``children`` counted as
-    this process's)."""
+    """A script's ``main``: the command line (the first paragraph of the docstring of
+    ``measure``'s module describes the script); with ``--runs N``, :func:`repeated`; else
+    ``measure(args)`` gives the rows and notes, and :func:`report` prints them. ``load``:
+    (who, what needs the cores) for a closing note on the CPU other processes took meanwhile
+    (:class:`MachineLoad`, ``children`` counted as this process's)."""
+    script = sys.modules[measure.__module__]
+    doc = script.__doc__ or ""
     args = arguments(doc.split("\n\n", maxsplit=1)[0], quick_help, argv)
     if args.runs > 1:
-        return repeated(script, args, title)
+        assert script.__file__ is not None
+        return repeated(script.__file__, args, title)
     started = time.monotonic()
     machine = MachineLoad(children) if load else None
     rows, notes = measure(args)

@@ -179,15 +179,8 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], list[str]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_main(
-        __file__,
-        __doc__,
-        "fewer repetitions (~1 min)",
-        "kvcr in-process copies",
-        measure,
-        argv,
-        load=("this process", "kvcr rows use up to three threads"),
-    )
+    load = ("this process", "kvcr rows use up to three threads")
+    return run_main(measure, argv, "kvcr in-process copies", "fewer repetitions (~1 min)", load)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,11 @@ except ImportError:  # the meta package's shim
 
 KIB, MIB = common.KIB, common.MIB
 ENGINE_POLL_S = 100e-6
+NOTES = (  # the closing notes: what the baselines are
+    "store: kvcr's runtime-measured g3_store per spilled batch; raw: post..DONE",
+    "fill: kvcr's runtime-measured g3_deliver into engine memory; raw: post..DONE",
+    "engine view: deliver call .. poll_completed returned every entry (100 us polls)",
+)
 
 
 class RawPosix:
@@ -252,17 +257,12 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], list[str]]:
     rows: list[Row] = []
     bench_case(rows, "64 x 1 MiB", MIB, 64, reps, args.json_only)
     bench_case(rows, "256 x 64 KiB", 64 * KIB, 256, reps, args.json_only)
-    notes = [
-        "store: kvcr's runtime-measured g3_store per spilled batch; raw: post..DONE",
-        "fill: kvcr's runtime-measured g3_deliver into engine memory; raw: post..DONE",
-        "engine view: deliver call .. poll_completed returned every entry (100 us polls)",
-    ]
-    return rows, notes
+    return rows, list(NOTES)
 
 
 def main(argv: list[str] | None = None) -> int:
     quick_help = "30 repetitions instead of 200 (~5 s)"
-    return run_main(__file__, __doc__, quick_help, "kvcr G3 benchmark", measure, argv)
+    return run_main(measure, argv, "kvcr G3 benchmark", quick_help)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,10 @@ from kvcr.guard.pools import GIB, create_group_file, plan_group
 
 BLOCK = 64 * 1024
 DIGEST = "bench"
+NOTES = (  # the closing notes: what the baselines are
+    "create: the journal (100 MiB) is part of every group, so small groups pay it",
+    "claim baseline: a status round trip on the same service plus a bare mmap/munmap",
+)
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -216,16 +220,11 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], list[str]]:
         bench_kvcr(rows, reps_kvcr)
     finally:
         shutil.rmtree(disk, ignore_errors=True)
-    notes = [
-        "create: the journal (100 MiB) is part of every group, so small groups pay it",
-        "claim baseline: a status round trip on the same service plus a bare mmap/munmap",
-    ]
-    return rows, notes
+    return rows, list(NOTES)
 
 
 def main(argv: list[str] | None = None) -> int:
-    title = "kvcr guard service benchmark"
-    return run_main(__file__, __doc__, "fewer repetitions (~20 s)", title, measure, argv)
+    return run_main(measure, argv, "kvcr guard service benchmark", "fewer repetitions (~20 s)")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ from common import (
     touched,
 )
 
+TITLE = "kvcr local benchmark"
 KVCR_POLL = "kvcr (engine poll: yield between polls)"
 TIGHT_SPIN_NOTE = (
     "tight spin: the engine thread holds the GIL; the runtime waits a switch interval per GIL "
@@ -485,16 +486,8 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], list[str]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     # local.py's table has always picked decimals by signed value (see common._fmt).
-    return run_main(
-        __file__,
-        __doc__,
-        "fewer repetitions (~1 min)",
-        "kvcr local benchmark",
-        measure,
-        argv,
-        load=("this process", "kvcr rows need both cores"),
-        by_magnitude=False,
-    )
+    load = ("this process", "kvcr rows need both cores")
+    return run_main(measure, argv, TITLE, "fewer repetitions (~1 min)", load, by_magnitude=False)
 
 
 if __name__ == "__main__":

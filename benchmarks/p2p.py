@@ -93,6 +93,7 @@ from kvcr.control_channels import ZmqPeerControlChannel
 from kvcr.hints import fetch_hint
 from kvcr.types import MemoryRef, OpEntryStatus
 
+TITLE = "kvcr peer-to-peer benchmark"
 OP_TIMEOUT_S = 30.0  # raw WRITE: a notification not in by then fails the benchmark
 WORKER = Path(__file__).resolve().parent / "p2p_worker.py"
 VARIANTS = ("pool", "engine", "engine_10ms", "pool_busy50", "pool_busy90", "engine_busy90")
@@ -542,16 +543,8 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], list[str]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_main(
-        __file__,
-        __doc__,
-        "fewer repetitions (< 1 min)",
-        "kvcr peer-to-peer benchmark",
-        measure,
-        argv,
-        load=("this benchmark", "the transfers need both cores"),
-        children=True,
-    )
+    load = ("this benchmark", "the transfers need both cores")
+    return run_main(measure, argv, TITLE, "fewer repetitions (< 1 min)", load, children=True)
 
 
 if __name__ == "__main__":

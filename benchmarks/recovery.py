@@ -34,6 +34,12 @@ import common
 from common import GuardInstance, Row, log, percentile, pool_service, run_main
 
 KIB, MIB = common.KIB, common.MIB
+NOTES = (  # the closing notes: what the baselines are
+    "deposit: one instance, its index's journal attached or detached by rounds",
+    "warm start baseline: the same construction over an empty journal",
+    "takeover: the first one in a service also starts its NIXL agent (excluded: median)",
+    "handback baseline: claiming an idle group of the same service",
+)
 
 
 def bench_deposit(
@@ -208,18 +214,11 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], list[str]]:
         bench_warm_start(rows, n, warm_reps, quiet)
     for n in (100, 1000, 10000):
         bench_takeover(rows, n, max(warm_reps // 2, 2), quiet)
-    notes = [
-        "deposit: one instance, its index's journal attached or detached by rounds",
-        "warm start baseline: the same construction over an empty journal",
-        "takeover: the first one in a service also starts its NIXL agent (excluded: median)",
-        "handback baseline: claiming an idle group of the same service",
-    ]
-    return rows, notes
+    return rows, list(NOTES)
 
 
 def main(argv: list[str] | None = None) -> int:
-    title = "kvcr crash-recovery benchmark"
-    return run_main(__file__, __doc__, "fewer repetitions (~30 s)", title, measure, argv)
+    return run_main(measure, argv, "kvcr crash-recovery benchmark", "fewer repetitions (~30 s)")
 
 
 if __name__ == "__main__":

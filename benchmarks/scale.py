@@ -288,8 +288,7 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    quick_help = "10k and 100k blocks only (~1 min)"
-    return run_main(__file__, __doc__, quick_help, "kvcr at scale", measure, argv)
+    return run_main(measure, argv, "kvcr at scale", "10k and 100k blocks only (~1 min)")
 
 
 if __name__ == "__main__":
