@@ -1,9 +1,11 @@
-"""What the benchmark scripts share: result rows and their output (table and JSON lines), the
-command line, buffers, percentiles, CPU accounting, and the NIXL and kvcr set-up.
+"""The benchmarks' harness, the one module the scripts import: result rows and their output
+(table and JSON lines), the command line and a script's ``main``, buffers, percentiles, CPU
+accounting; and, from ``engine_loop.py``, kvcr instances and the guard service, the raw NIXL
+baselines and the engine's loop (poll until done), re-exported here.
 
-Imported as ``common`` by ``local.py``, ``p2p.py`` and ``p2p_worker.py`` (a script's own
-directory is on ``sys.path``). Importing it sets the NIXL/UCX environment defaults and then
-imports nixl.
+A script is the cases it measures: ``main`` hands :func:`run_main` a function that takes the
+parsed arguments and returns its rows and notes. Importing this module sets the NIXL/UCX
+environment defaults, then imports nixl (through ``engine_loop``).
 """
 
 from __future__ import annotations
@@ -18,9 +20,6 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 import argparse
 import json
 import mmap
-import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,24 +27,13 @@ import tempfile
 import threading
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 import numpy as np
-
-from kvcr import KVCR, KVCRBindings, KVCRClient
-from kvcr.config import KVCRBackendConfigs, KVCRConfig, LocalDramOptions
-from kvcr.errors import KVCRSocketError
-from kvcr.telemetry import InMemoryStats
-from kvcr.testing import Opened, open_kvcr
-from kvcr.types import RegionDescriptor
-
-try:
-    from nixl_cu13._api import nixl_agent, nixl_agent_config
-except ImportError:  # the meta package's shim
-    from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[no-redef]
+from engine_loop import *  # noqa: F403  (the engine side: see engine_loop.__all__)
 
 KIB = 1 << 10
 MIB = 1 << 20
@@ -239,6 +227,36 @@ def repeated(script: str, args: argparse.Namespace, title: str) -> int:
     return 0
 
 
+def run_main(
+    measure: Callable[[argparse.Namespace], tuple[list[Row], list[str]]],
+    argv: Sequence[str] | None,
+    title: str,
+    quick_help: str,
+    load: tuple[str, str] | None = None,
+    children: bool = False,
+    by_magnitude: bool = True,
+) -> int:
+    """A script's ``main``: the command line (the first paragraph of the docstring of
+    ``measure``'s module describes the script); with ``--runs N``, :func:`repeated`; else
+    ``measure(args)`` gives the rows and notes, and :func:`report` prints them. ``load``:
+    (who, what needs the cores) for a closing note on the CPU other processes took meanwhile
+    (:class:`MachineLoad`, ``children`` counted as this process's)."""
+    script = sys.modules[measure.__module__]
+    doc = script.__doc__ or ""
+    args = arguments(doc.split("\n\n", maxsplit=1)[0], quick_help, argv)
+    if args.runs > 1:
+        assert script.__file__ is not None
+        return repeated(script.__file__, args, title)
+    started = time.monotonic()
+    machine = MachineLoad(children) if load else None
+    rows, notes = measure(args)
+    elapsed = time.monotonic() - started
+    if machine is not None and load is not None:
+        notes.append(machine.note(elapsed, *load))
+    report(rows, notes, title, args, elapsed, by_magnitude)
+    return 0
+
+
 _STARTED = time.monotonic()
 
 
@@ -323,6 +341,24 @@ def crcs(buf: np.ndarray, block: int, count: int) -> list[int]:
     return [zlib.crc32(buf[i * block : (i + 1) * block]) for i in range(count)]
 
 
+def check_crcs(what: str, buf: np.ndarray, block: int, count: int, expected: list[int]) -> None:
+    """Raise unless the ``count`` blocks of ``buf`` have the CRCs ``expected``."""
+    if crcs(buf, block, count) != expected:
+        raise RuntimeError(what)
+
+
+def memcpy(dst: np.ndarray, src: np.ndarray) -> float:
+    """Seconds of ``np.copyto(dst, src)``: the memcpy baseline (one thread)."""
+    t0 = time.perf_counter()
+    np.copyto(dst, src)
+    return time.perf_counter() - t0
+
+
+def gbps(nbytes: int, seconds: Sequence[float]) -> tuple[float, float]:
+    """GB/s of moving ``nbytes`` in the median and in the best of ``seconds``."""
+    return nbytes / 1e9 / statistics.median(seconds), nbytes / 1e9 / min(seconds)
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
@@ -358,6 +394,20 @@ class CpuSpan:
             "proc": time.process_time() - self.proc0,
             "thread": thread_cpu_s(self.thread) - self.thread0,
         }
+
+
+def idle_cpu(
+    thread: threading.Thread, seconds: float, begin: Callable[[], object] | None = None
+) -> dict[str, float]:
+    """:class:`CpuSpan` of ``thread`` over ``seconds`` of idling, after 1 s to settle
+    (``begin`` runs then). The main thread sleeps: the process's CPU is kvcr's (and
+    NIXL's)."""
+    time.sleep(1.0)
+    if begin is not None:
+        begin()
+    span = CpuSpan(thread)
+    time.sleep(seconds)
+    return span.end()
 
 
 def cpu_busy_s() -> tuple[float, float]:
@@ -401,148 +451,3 @@ class MachineLoad:
             f"core, steal {100 * steal / wall:.0f} % ({who} {100 * own / wall:.0f} %); {needs}, "
             "so compare runs with low background load"
         )
-
-
-# -- NIXL and kvcr -----------------------------------------------------------------------
-
-
-def bare_agent(name: str) -> Any:
-    """A bare NIXL agent with the UCX backend: the raw baseline."""
-    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
-    agent.create_backend("UCX", {})
-    return agent
-
-
-def raw_transfer(
-    agent: Any,
-    op: str,
-    local: Any,
-    local_idx: list[int],
-    remote: Any,
-    remote_idx: list[int],
-    notif: bytes = b"",
-) -> float:
-    """One prepped ``op`` ("READ" or "WRITE") of a bare agent, polled until it is no longer in
-    progress; seconds from make to release."""
-    t0 = time.perf_counter()
-    handle = agent.make_prepped_xfer(op, local, local_idx, remote, remote_idx, notif)
-    state = agent.transfer(handle)
-    while state == "PROC":
-        state = agent.check_xfer_state(handle)
-    agent.release_xfer_handle(handle)
-    elapsed = time.perf_counter() - t0
-    if state != "DONE":
-        raise RuntimeError(f"raw NIXL {op} ended in state {state}")
-    return elapsed
-
-
-def null_bindings(stats: bool = False, **more: Any) -> KVCRBindings:
-    """Bindings of an engine that pins nothing; ``more``: further KVCRBindings fields."""
-    return KVCRBindings(
-        request_pin=lambda keys: 0,
-        poll_pin_results=lambda: [],
-        release_pin=lambda handle: True,
-        stats_factory=InMemoryStats if stats else None,
-        **more,
-    )
-
-
-def open_instance(
-    name: str,
-    block: int,
-    region: np.ndarray,
-    pool: np.ndarray,
-    bindings: KVCRBindings,
-    telemetry: bool = False,
-    **backends: Any,
-) -> Opened:
-    """A kvcr instance (and its runtime, for peeks) over the engine ``region`` (elements of ``block`` bytes) with ``pool``
-    as its DRAM pool; ``backends``: further KVCRBackendConfigs fields."""
-    config = KVCRConfig(
-        name,
-        [("", block)],
-        enable_telemetry=telemetry,
-        operation_timeout_ms=20_000,
-        abandon_timeout_ms=40_000,
-    )
-    return open_kvcr(
-        config,
-        bindings,
-        KVCRBackendConfigs(
-            framework_regions=[
-                RegionDescriptor(addr=region.ctypes.data, size=block, count=region.nbytes // block)
-            ],
-            local_dram=LocalDramOptions([("", pool.ctypes.data, pool.nbytes)]),
-            **backends,
-        ),
-    )
-
-
-def make_instance(*args: Any, **kwargs: Any) -> KVCR:
-    """:func:`open_instance`'s KVCR alone."""
-    return open_instance(*args, **kwargs).kv
-
-
-def runtime_thread(agent: str) -> threading.Thread:
-    """The runtime thread of the kvcr instance named ``agent``."""
-    return next(t for t in threading.enumerate() if t.name == f"kvcr-{agent}")
-
-
-# -- processes ---------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-class GuardService:
-    """``kvcr-guard`` in a child process, in a fresh directory in /dev/shm (removed at
-    ``stop``), its log in ``service.log``; ``start_s`` is exec until ``status`` answers,
-    ``port`` a free port for group endpoints."""
-
-    def __init__(self, sizes_gb: str, digest: str, groups: int = 1, prefix: str = "kvcr-") -> None:
-        self.dir = Path(tempfile.mkdtemp(dir="/dev/shm", prefix=prefix))
-        self.socket_path = str(self.dir / "g.sock")
-        (self.dir / "pools").mkdir()
-        started = time.perf_counter()
-        with open(self.dir / "service.log", "wb") as log:
-            self.proc = subprocess.Popen(
-                [
-                    *(sys.executable, "-m", "kvcr.kvcr_service", "--socket-path", self.socket_path),
-                    *("--pool-dir", str(self.dir / "pools"), "--guard-count", str(groups)),
-                    *("--pool-sizes-gb", sizes_gb, "--compatibility-digest", digest),
-                    *("--log-level", "INFO"),
-                ],
-                stderr=log,
-            )
-        self.client = KVCRClient(self.socket_path)
-        self.port = free_port()
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                self.client.status()
-                break
-            except KVCRSocketError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("kvcr-guard did not start") from None
-                time.sleep(0.002)
-        self.start_s = time.perf_counter() - started
-
-    def log_seconds(self, event: str) -> list[float]:
-        """The ``seconds=`` of every ``event`` line the service logged so far."""
-        text = (self.dir / "service.log").read_text()
-        return [
-            float(line.split("seconds=")[1].split()[0])
-            for line in text.splitlines()
-            if f" {event} " in line and "seconds=" in line
-        ]
-
-    def state(self, group: int) -> str:
-        return self.client.status()[group].state
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(60)
-        shutil.rmtree(self.dir, ignore_errors=True)

@@ -26,42 +26,37 @@ one copy thread, >= 1.2x with two; >= 0.6x at 256 x 64 KiB.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
-import statistics
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from common import (
     KIB,
     MIB,
-    MachineLoad,
+    RawNixl,
     Row,
-    arguments,
+    check_crcs,
     crcs,
+    engine_of,
+    gbps,
     hugetlb_pages,
+    interleaved,
     log,
-    make_instance,
-    null_bindings,
+    memcpy,
     page_kind,
     randomized,
-    raw_transfer,
-    repeated,
-    report,
+    run_main,
     shared_pages,
+    succeeded,
     touched,
 )
-from local import RawNixl
-
-from kvcr.types import MemoryRef, OpEntryStatus
 
 SIZES = (("7MiB", 7 * MIB, 16), ("2MiB", 2 * MIB, 16), ("64KiB", 64 * KIB, 256))
 CADENCES_S = (0.0005, 0.005)
-OP_TIMEOUT_S = 30.0
 
 
 # KVCR_BENCH_HUGETLBFS=DIR (a hugetlbfs mount with free 2 MiB pages): also rows on memory
@@ -79,33 +74,10 @@ def allocate(kind: str, nbytes: int, fill: int) -> np.ndarray:
     return touched(nbytes, fill)  # numpy madvises large buffers for huge pages
 
 
-def timed(kv: Any, submit: Callable[[], int], nkeys: int, cadence: float) -> float:
-    """Seconds from the engine call until the poll that returned the op's last entry,
-    polling every ``cadence`` seconds (sleeping between polls, as a scheduler does)."""
-    clock = time.perf_counter
-    t0 = clock()
-    handle = submit()
-    got = 0
-    while True:
-        for op, done in kv.poll_completed():
-            if op != handle:
-                raise RuntimeError(f"unexpected results for op {op}")
-            bad = [k for k, v in done.items() if v.status is not OpEntryStatus.SUCCESS]
-            if bad:
-                raise RuntimeError(f"op {handle}: {len(bad)} entries failed")
-            got += len(done)
-        if got >= nkeys:
-            return clock() - t0
-        if clock() - t0 > OP_TIMEOUT_S:
-            raise RuntimeError(f"op {handle}: {got}/{nkeys} entries after timeout")
-        time.sleep(cadence)
-
-
 def bench_case(
     rows: list[Row], raw: RawNixl, kind: str, label: str, block: int, count: int, reps: int
 ) -> None:
     nbytes = block * count
-    gb = nbytes / 1e9
     engine = allocate(kind, 2 * nbytes, 0)  # [0, count): sources; [count, 2 count): targets
     engine[:nbytes] = randomized(nbytes, seed=block)
     pool = allocate(kind, 3 * nbytes, 0xAA)  # count held for deliver, 2 count for deposits
@@ -113,68 +85,57 @@ def bench_case(
     pages = "+".join(sorted({page_kind(engine), page_kind(pool)}))
     src_view, dst_view = engine[:nbytes], engine[nbytes:]
     src_crcs = crcs(src_view, block, count)
-    times: dict[str, list[float]] = {}
-
-    def memcpy() -> float:
-        t0 = time.perf_counter()
-        np.copyto(scratch, src_view)
-        return time.perf_counter() - t0
-
-    raw.register(engine)
-    raw.register(scratch)
-    scr_local, _ = raw.dlists(scratch, block, count)
-    _, src_loop = raw.dlists(src_view, block, count)
-    try:
-        for rep in range(reps + 2):
-            for name, run in (
-                ("memcpy", memcpy),
-                ("raw-nixl", lambda: raw_transfer_read(raw, scr_local, src_loop, count)),
-            ):
-                elapsed = run()
-                if rep >= 2:
-                    times.setdefault(name, []).append(elapsed)
-        if crcs(scratch, block, count) != src_crcs:
-            raise RuntimeError(f"{label}: a baseline moved wrong bytes")
-    finally:
-        raw.reset()
+    with raw:
+        raw.register(engine, scratch)
+        scr_local, _ = raw.dlists(scratch, block, count)
+        _, src_loop = raw.dlists(src_view, block, count)
+        times = interleaved(
+            {
+                "memcpy": functools.partial(memcpy, scratch, src_view),
+                "raw-nixl": functools.partial(raw.read, scr_local, src_loop, count),
+            },
+            reps,
+        )
+        check_crcs(f"{label}: a baseline moved wrong bytes", scratch, block, count, src_crcs)
 
     for threads in (1, 2):
         os.environ["KVCR_COPY_THREADS"] = str(threads)
         agent = f"copies-{kind}-{label}-{threads}"
-        kv = make_instance(agent, block, engine, pool, null_bindings())
-        try:
-            ref = [[MemoryRef(end_point_name=agent, element_index=i)] for i in range(2 * count)]
-            resident = {b"R%06d" % i: ref[i] for i in range(count)}
-            timed(kv, functools.partial(kv.deposit, resident, no_evict=True), count, 0.0005)
-            delivery = {key: ref[count + i] for i, key in enumerate(resident)}
+        with engine_of(agent, block, engine, pool) as eng:
+            kv, ref = eng.kv, eng.ref
+            resident = {b"R%06d" % i: ref(i) for i in range(count)}
+            held = functools.partial(kv.deposit, resident, no_evict=True)
+            eng.at(0.0005).timed(held, count, succeeded)
+            delivery = {key: ref(count + i) for i, key in enumerate(resident)}
             serial = iter(range(10**9))
+            engines = {cadence: eng.at(cadence) for cadence in CADENCES_S}
             for rep in range(reps + 2):
-                for cadence in CADENCES_S:
-                    blocks = {b"D%09d" % next(serial): ref[i] for i in range(count)}
-                    deposit = timed(kv, functools.partial(kv.deposit, blocks), count, cadence)
-                    deliver = timed(kv, functools.partial(kv.deliver, delivery), count, cadence)
+                for cadence, poll in engines.items():
+                    blocks = {b"D%09d" % next(serial): ref(i) for i in range(count)}
+                    deposit, _ = poll.timed(functools.partial(kv.deposit, blocks), count, succeeded)
+                    deliver, _ = poll.timed(
+                        functools.partial(kv.deliver, delivery), count, succeeded
+                    )
                     if rep >= 2:
                         times.setdefault(f"deposit {threads} {cadence}", []).append(deposit)
                         times.setdefault(f"deliver {threads} {cadence}", []).append(deliver)
-            if crcs(dst_view, block, count) != src_crcs:
-                raise RuntimeError(f"{label}: delivered bytes differ from deposited bytes")
+            wrong = f"{label}: delivered bytes differ from deposited bytes"
+            check_crcs(wrong, dst_view, block, count, src_crcs)
             dst_view.fill(0)
-        finally:
-            kv.close()
     os.environ.pop("KVCR_COPY_THREADS", None)
 
-    def gbps(name: str) -> float:
-        return gb / statistics.median(times[name])
+    def median_gbps(name: str) -> float:
+        return gbps(nbytes, times[name])[0]
 
     diag = "" if kind == "shm" else f"diag: {kind}, "
     what = f"{count} x {label}, {diag}{pages} pages"
-    memcpy_gbps = gbps("memcpy")
+    memcpy_gbps = median_gbps("memcpy")
     rows.append(Row("baseline", f"{what}: memcpy (1 thread) median", memcpy_gbps, "GB/s"))
     rows.append(
         Row(
             "baseline",
             f"{what}: raw NIXL loopback READ median",
-            gbps("raw-nixl"),
+            median_gbps("raw-nixl"),
             "GB/s",
             memcpy_gbps,
         )
@@ -183,7 +144,7 @@ def bench_case(
         for threads in (1, 2):
             for cadence in CADENCES_S:
                 want = (0.9 if threads == 1 else 1.2) if block >= 2 * MIB else 0.6
-                value = gbps(f"{direction} {threads} {cadence}")
+                value = median_gbps(f"{direction} {threads} {cadence}")
                 gated = kind == "shm"
                 rows.append(
                     Row(
@@ -199,23 +160,12 @@ def bench_case(
                 )
 
 
-def raw_transfer_read(raw: RawNixl, dst_local: Any, src_loopback: Any, count: int) -> float:
-    idx = list(range(count))
-    return raw_transfer(raw.agent, "READ", dst_local, idx, src_loopback, idx)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = arguments(__doc__.split("\n\n")[0], "fewer repetitions (~1 min)", argv)
-    if args.runs > 1:
-        return repeated(__file__, args, "kvcr in-process copies")
-    quiet = args.json_only
+def measure(args: argparse.Namespace) -> tuple[list[Row], list[str]]:
     reps = (
         {"7MiB": 6, "2MiB": 12, "64KiB": 12}
         if args.quick
         else {"7MiB": 20, "2MiB": 40, "64KiB": 40}
     )
-    started = time.monotonic()
-    load = MachineLoad()
     rows: list[Row] = []
     raw = RawNixl("copies-raw")
     kinds = ("shm", "thp", "hugetlb") if HUGETLBFS is not None else ("shm", "thp")
@@ -223,12 +173,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         for label, block, count in SIZES:
             if kind != "shm" and label == "64KiB":
                 continue
-            log(f"{kind} {count} x {label}", quiet)
+            log(f"{kind} {count} x {label}", args.json_only)
             bench_case(rows, raw, kind, label, block, count, reps[label])
-    elapsed = time.monotonic() - started
-    notes = [load.note(elapsed, "this process", "kvcr rows use up to three threads")]
-    report(rows, notes, "kvcr in-process copies", args, elapsed)
-    return 0
+    return rows, []
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    load = ("this process", "kvcr rows use up to three threads")
+    return run_main(measure, argv, "kvcr in-process copies", "fewer repetitions (~1 min)", load)
 
 
 if __name__ == "__main__":

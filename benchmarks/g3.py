@@ -36,6 +36,7 @@ touch of a fallocated page is slow). Bytes are checked with CRCs once per case.
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import sys
@@ -46,9 +47,9 @@ from pathlib import Path
 from typing import Any
 
 import common
-from common import Row, arguments, log, percentile, repeated, report
+from common import Engine, Row, log, percentile, run_main
 
-from kvcr import KVCR, KVCRBindings
+from kvcr import KVCRBindings
 from kvcr.config import G3Options, KVCRBackendConfigs, KVCRConfig, LocalDramOptions
 from kvcr.telemetry import DURATION_METRIC, InMemoryStats
 from kvcr.testing import open_kvcr
@@ -61,6 +62,11 @@ except ImportError:  # the meta package's shim
 
 KIB, MIB = common.KIB, common.MIB
 ENGINE_POLL_S = 100e-6
+NOTES = (  # the closing notes: what the baselines are
+    "store: kvcr's runtime-measured g3_store per spilled batch; raw: post..DONE",
+    "fill: kvcr's runtime-measured g3_deliver into engine memory; raw: post..DONE",
+    "engine view: deliver call .. poll_completed returned every entry (100 us polls)",
+)
 
 
 class RawPosix:
@@ -110,20 +116,6 @@ class RawPosix:
             os.close(fd)
 
 
-def wait(kv: KVCR, handle: int, count: int) -> dict[bytes, Any]:
-    got: dict[bytes, Any] = {}
-    deadline = time.monotonic() + 60
-    while len(got) < count:
-        for op, entries in kv.poll_completed():
-            if op == handle:
-                got.update(entries)
-        if len(got) < count:
-            time.sleep(ENGINE_POLL_S)
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"op {handle}: {len(got)} of {count}")
-    return got
-
-
 def bench_case(rows: list[Row], label: str, block: int, count: int, reps: int, quiet: bool) -> None:
     directory = Path(tempfile.mkdtemp(prefix="kvcr-g3-bench-"))
     name = f"g3-bench-{os.getpid()}-{block}"
@@ -155,15 +147,13 @@ def bench_case(rows: list[Row], label: str, block: int, count: int, reps: int, q
         ),
     )
     kv, runtime = opened.kv, opened.runtime
+    eng = Engine(kv, name, ENGINE_POLL_S)
     raw = None
     serial = iter(range(1 << 40))
     store_s, fill_s, engine_s, raw_store_s, raw_fill_s = [], [], [], [], []
 
     def deposit(keys: list[bytes]) -> None:
-        handle = kv.deposit(
-            {k: [MemoryRef(end_point_name=name, element_index=i)] for i, k in enumerate(keys)}
-        )
-        entries = wait(kv, handle, len(keys))
+        entries = eng.wait(kv.deposit({k: eng.ref(i) for i, k in enumerate(keys)}), len(keys))
         assert all(e.success for e in entries.values()), "deposit failed"
 
     try:
@@ -195,15 +185,15 @@ def bench_case(rows: list[Row], label: str, block: int, count: int, reps: int, q
             kv.get_stats()  # a fresh interval: the next g3_store observation is this spill
             deposit(fresh)  # evicts `previous`: one spill of `count` blocks
             stored = stats.histograms.get((DURATION_METRIC, ("g3_store", "success")), [])
-            t0 = time.perf_counter()
-            handle = kv.deliver(
-                {
-                    k: [MemoryRef(end_point_name=name, element_index=count + i)]
-                    for i, k in enumerate(previous)
-                }
+            elapsed, entries = eng.timed(
+                lambda previous=previous: kv.deliver(  # the refs are made in the timed region
+                    {
+                        k: [MemoryRef(end_point_name=name, element_index=count + i)]
+                        for i, k in enumerate(previous)
+                    }
+                ),
+                count,
             )
-            entries = wait(kv, handle, count)
-            elapsed = time.perf_counter() - t0
             assert all(e.success for e in entries.values()), "deliver from G3 failed"
             delivered = stats.histograms.get((DURATION_METRIC, ("g3_deliver", "success")), [])
             if rep == 0:  # bytes checked once: what came back is what was deposited
@@ -262,22 +252,17 @@ def bench_case(rows: list[Row], label: str, block: int, count: int, reps: int, q
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = arguments(__doc__.split("\n\n")[0], "30 repetitions instead of 200 (~5 s)", argv)
-    if args.runs > 1:
-        return repeated(__file__, args, "kvcr G3 benchmark")
+def measure(args: argparse.Namespace) -> tuple[list[Row], list[str]]:
     reps = 30 if args.quick else 200
-    started = time.monotonic()
     rows: list[Row] = []
     bench_case(rows, "64 x 1 MiB", MIB, 64, reps, args.json_only)
     bench_case(rows, "256 x 64 KiB", 64 * KIB, 256, reps, args.json_only)
-    notes = [
-        "store: kvcr's runtime-measured g3_store per spilled batch; raw: post..DONE",
-        "fill: kvcr's runtime-measured g3_deliver into engine memory; raw: post..DONE",
-        "engine view: deliver call .. poll_completed returned every entry (100 us polls)",
-    ]
-    report(rows, notes, "kvcr G3 benchmark", args, time.monotonic() - started)
-    return 0
+    return rows, list(NOTES)
+
+
+def main(argv: list[str] | None = None) -> int:
+    quick_help = "30 repetitions instead of 200 (~5 s)"
+    return run_main(measure, argv, "kvcr G3 benchmark", quick_help)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ Rows:
 
 from __future__ import annotations
 
+import argparse
 import mmap
 import os
 import shutil
@@ -35,13 +36,11 @@ import common
 from common import (
     GuardService,
     Row,
-    arguments,
     free_port,
     log,
     null_bindings,
     percentile,
-    repeated,
-    report,
+    run_main,
 )
 
 from kvcr import KVCR
@@ -51,6 +50,10 @@ from kvcr.guard.pools import GIB, create_group_file, plan_group
 
 BLOCK = 64 * 1024
 DIGEST = "bench"
+NOTES = (  # the closing notes: what the baselines are
+    "create: the journal (100 MiB) is part of every group, so small groups pay it",
+    "claim baseline: a status round trip on the same service plus a bare mmap/munmap",
+)
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -138,24 +141,12 @@ def bench_claim(rows: list[Row], reps: int) -> None:
             mmap_s.append(timed(raw_map))
         base = [s + m for s, m in zip(status_s, mmap_s)]
         for q, name in ((50, "median"), (99, "p99")):
-            rows.append(
-                Row(
-                    "claim",
-                    f"claim and map, {name}",
-                    percentile(claim_s, q) * 1e6,
-                    "us",
-                    percentile(base, q) * 1e6,
-                )
-            )
-            rows.append(
-                Row(
-                    "claim",
-                    f"release (unmap + ack), {name}",
-                    percentile(release_s, q) * 1e6,
-                    "us",
-                    percentile(status_s, q) * 1e6,
-                )
-            )
+            for case, mine, theirs in (
+                (f"claim and map, {name}", claim_s, base),
+                (f"release (unmap + ack), {name}", release_s, status_s),
+            ):
+                us, base_us = percentile(mine, q) * 1e6, percentile(theirs, q) * 1e6
+                rows.append(Row("claim", case, us, "us", base_us))
     finally:
         service.stop()
 
@@ -207,15 +198,11 @@ def bench_kvcr(rows: list[Row], reps: int) -> None:
         service.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = arguments(__doc__.split("\n\n")[0], "fewer repetitions (~20 s)", argv)
-    if args.runs > 1:
-        return repeated(__file__, args, "kvcr guard benchmark")
+def measure(args: argparse.Namespace) -> tuple[list[Row], list[str]]:
     quiet = args.json_only
     reps_create, reps_start, reps_claim, reps_kvcr = (
         (3, 2, 100, 3) if args.quick else (5, 5, 1000, 10)
     )
-    started = time.monotonic()
     rows: list[Row] = []
     disk = Path(tempfile.mkdtemp(prefix="kvcr-guard-bench-"))
     try:
@@ -233,13 +220,11 @@ def main(argv: list[str] | None = None) -> int:
         bench_kvcr(rows, reps_kvcr)
     finally:
         shutil.rmtree(disk, ignore_errors=True)
-    elapsed = time.monotonic() - started
-    notes = [
-        "create: the journal (100 MiB) is part of every group, so small groups pay it",
-        "claim baseline: a status round trip on the same service plus a bare mmap/munmap",
-    ]
-    report(rows, notes, "kvcr guard service benchmark", args, elapsed)
-    return 0
+    return rows, list(NOTES)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(measure, argv, "kvcr guard service benchmark", "fewer repetitions (~20 s)")
 
 
 if __name__ == "__main__":

@@ -48,7 +48,9 @@ Prints a human table, then one JSON line per measurement:
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import functools
 import gc
 import itertools
 import os
@@ -68,21 +70,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (
     KIB,
     MIB,
-    CpuSpan,
-    MachineLoad,
+    Engine,
     Row,
-    arguments,
     bare_agent,
     bench_pages,
     crcs,
     free_port,
+    idle_cpu,
     idle_row,
     log,
     make_instance,
     null_bindings,
     percentile,
-    repeated,
-    report,
+    run_main,
     runtime_thread,
     touched,
 )
@@ -93,7 +93,8 @@ from kvcr.control_channels import ZmqPeerControlChannel
 from kvcr.hints import fetch_hint
 from kvcr.types import MemoryRef, OpEntryStatus
 
-OP_TIMEOUT_S = 30.0
+TITLE = "kvcr peer-to-peer benchmark"
+OP_TIMEOUT_S = 30.0  # raw WRITE: a notification not in by then fails the benchmark
 WORKER = Path(__file__).resolve().parent / "p2p_worker.py"
 VARIANTS = ("pool", "engine", "engine_10ms", "pool_busy50", "pool_busy90", "engine_busy90")
 VARIANT_NAMES = {
@@ -225,6 +226,7 @@ class Destination:
             remote_fw_dram=RemoteFWDramOptions(eager_ctrl_connect=True),
         )
         self.thread = runtime_thread(self.agent)
+        self.engine = Engine(self.kv, self.agent, DEST_CADENCE_S)
         self.raw = raw
         self.reg = raw.register_memory([(self.region.ctypes.data, self.nbytes, 0, "")], "DRAM")
         refs = [[MemoryRef(end_point_name=self.agent, element_index=i)] for i in range(count)]
@@ -267,21 +269,8 @@ class Destination:
             else dict(itertools.islice(self.blocks[owner].items(), n))
         )
         time.sleep(self.settle)  # the runtime handles the hint's connect command first
-        clock, pause = time.perf_counter, time.sleep
-        got: dict[bytes, Any] = {}
-        t0 = clock()
-        deadline = t0 + OP_TIMEOUT_S
-        handle = kv.deliver(blocks, request_id=request_id)
-        while True:
-            for op, done in kv.poll_completed():
-                if op == handle:
-                    got.update(done)
-            if len(got) >= count:
-                break
-            pause(DEST_CADENCE_S)
-            if clock() > deadline:
-                raise RuntimeError(f"deliver {request_id}: {len(got)}/{count} after timeout")
-        elapsed = clock() - t0
+        deliver = functools.partial(kv.deliver, blocks, request_id=request_id)
+        elapsed, got = self.engine.timed(deliver, count)
         kv.discard_hint(request_id)
         bad = {k: v.status.name for k, v in got.items() if v.status is not OpEntryStatus.SUCCESS}
         if bad:
@@ -504,11 +493,7 @@ def bench_idle(
 ) -> None:
     """Both instances connected (transfers done), then idle: CPU over ``seconds``."""
     log(f"idle CPU: 1 s settle, {seconds:.0f} s measured, both processes", quiet)
-    time.sleep(1.0)
-    source("idle_begin")
-    span = CpuSpan(dst.thread)
-    time.sleep(seconds)  # the main thread sleeps: this process's CPU is kvcr's (and NIXL's)
-    dst_cpu = span.end()
+    dst_cpu = idle_cpu(dst.thread, seconds, begin=lambda: source("idle_begin"))
     src_cpu = source("idle_end")
     for who, cpu in (("destination (B)", dst_cpu), ("source (A)", src_cpu)):
         for what, key in (("runtime thread", "thread"), ("whole process", "proc")):
@@ -537,17 +522,12 @@ def bench_idle(
 # -- main ---------------------------------------------------------------------------------
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = arguments(__doc__.split("\n\n")[0], "fewer repetitions (< 1 min)", argv)
-    if args.runs > 1:
-        return repeated(__file__, args, "kvcr peer-to-peer benchmark")
+def measure(args: argparse.Namespace) -> tuple[list[Row], list[str]]:
     quiet = args.json_only
     if args.quick:
         reps_big, reps_mid, reps_small, warm = 30, 100, 300, 3
     else:
         reps_big, reps_mid, reps_small, warm = 120, 400, 1500, 5
-    started = time.monotonic()
-    load = MachineLoad(children=True)
     rows: dict[str, list[Row]] = {"throughput": [], "latency": [], "idle": []}
     raw = bare_agent(f"p2p-raw-dst-{os.getpid()}")
     source = SourceProc()
@@ -559,15 +539,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         source.close()
     log("done", quiet)
-    elapsed = time.monotonic() - started
-    notes = [
-        ENGINE_POLL_NOTE,
-        GC_NOTE,
-        load.note(elapsed, "this benchmark", "the transfers need both cores"),
-    ]
-    all_rows = [*rows["throughput"], *rows["latency"], *rows["idle"]]
-    report(all_rows, notes, "kvcr peer-to-peer benchmark", args, elapsed)
-    return 0
+    return [*rows["throughput"], *rows["latency"], *rows["idle"]], [ENGINE_POLL_NOTE, GC_NOTE]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    load = ("this benchmark", "the transfers need both cores")
+    return run_main(measure, argv, TITLE, "fewer repetitions (< 1 min)", load, children=True)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from typing import Any
 
 from common import (
     CpuSpan,
+    Engine,
     bare_agent,
     bench_pages,
     crcs,
@@ -36,9 +37,8 @@ from common import (
 
 from kvcr import KVCRBindings
 from kvcr.control_channels import ZmqPeerControlChannel
-from kvcr.types import BlockKey, MemoryRef, OpEntryStatus
+from kvcr.types import BlockKey, MemoryRef
 
-OP_TIMEOUT_S = 60.0
 BUSY_PERIOD_S = 0.010  # a busy engine's step: busy share in Python, the rest asleep
 POOL_KEY_BASE = 1_000_000  # keys deposited into the source's kvcr pool
 ENGINE_KEY_BASE = 2_000_000  # keys only the source's engine holds (served by pinning)
@@ -142,18 +142,7 @@ class Source:
             for i in range(self.count)
         }
         handle = self.kv.deposit(blocks, no_evict=True)
-        got: dict[BlockKey, Any] = {}
-        deadline = time.monotonic() + OP_TIMEOUT_S
-        while len(got) < self.count:
-            for op, done in self.kv.poll_completed():
-                if op == handle:
-                    got.update(done)
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"deposit: {len(got)}/{self.count} entries after timeout")
-            time.sleep(0.0005)
-        bad = [k for k, v in got.items() if v.status is not OpEntryStatus.SUCCESS]
-        if bad:
-            raise RuntimeError(f"deposit: {len(bad)} keys did not succeed")
+        Engine(self.kv, self.agent, 0.0005).done(handle, self.count, "deposit")
         index = self.runtime.index  # benchmark-only peek: where the blocks landed
         slots = []
         for i in range(self.count):

@@ -24,54 +24,22 @@ Rows:
 
 from __future__ import annotations
 
+import argparse
+import functools
 import os
-import subprocess
 import sys
 import time
-from pathlib import Path
-from typing import Any
 
 import common
-from common import Row, arguments, log, null_bindings, percentile, repeated, report
-from local import Engine, all_success
-
-from kvcr.config import KVCRBackendConfigs, KVCRConfig, KVCRGuardConfig
-from kvcr.control_channels import ZmqPeerControlChannel
-from kvcr.testing import open_kvcr
-from kvcr.types import RegionDescriptor
+from common import GuardInstance, Row, log, percentile, pool_service, run_main
 
 KIB, MIB = common.KIB, common.MIB
-DIGEST = "recovery-bench"
-
-
-def guard_service(pool_bytes: int, groups: int = 1) -> common.GuardService:
-    """A kvcr-guard with ``groups`` groups of one pool of ``pool_bytes``."""
-    return common.GuardService(f"{pool_bytes / 2**30!r}", DIGEST, groups, prefix="kvcr-rec-")
-
-
-class Instance:
-    """A KVCR over group 0 of the service (guard_config: pools, endpoint and journal)."""
-
-    def __init__(self, service: common.GuardService, name: str, block: int, region: Any) -> None:
-        self.channel = ZmqPeerControlChannel("127.0.0.1", service.port, "127.0.0.1")
-        config = KVCRConfig(
-            name, [("", block)], operation_timeout_ms=20_000, abandon_timeout_ms=40_000
-        )
-        regions = [
-            RegionDescriptor(addr=region.ctypes.data, size=block, count=region.nbytes // block)
-        ]
-        opened = open_kvcr(
-            config,
-            null_bindings(framework_control=self.channel),
-            KVCRBackendConfigs(framework_regions=regions),
-            KVCRGuardConfig(service.socket_path, 0, DIGEST),
-        )
-        self.kv, self.runtime = opened.kv, opened.runtime
-        self.engine = Engine(self.kv, name)
-
-    def close(self) -> None:
-        self.kv.close()
-        self.channel.close()
+NOTES = (  # the closing notes: what the baselines are
+    "deposit: one instance, its index's journal attached or detached by rounds",
+    "warm start baseline: the same construction over an empty journal",
+    "takeover: the first one in a service also starts its NIXL agent (excluded: median)",
+    "handback baseline: claiming an idle group of the same service",
+)
 
 
 def bench_deposit(
@@ -89,11 +57,11 @@ def bench_deposit(
     journal stale: this group is thrown away afterwards, which no real worker could do."""
     region = common.randomized(block * nkeys, seed=nkeys)
     pool_bytes = block * nkeys * 4  # steady state: every deposit evicts after the first four
-    service = guard_service(pool_bytes)
+    service = pool_service(pool_bytes)
     times: dict[bool, list[float]] = {True: [], False: []}
     serial = iter(range(1 << 40))
     try:
-        inst = Instance(service, f"rec-{os.getpid()}-{nkeys}", block, region)
+        inst = GuardInstance(service, f"rec-{os.getpid()}-{nkeys}", block, region)
         index = inst.runtime.index
         mirror = index.journal
         try:
@@ -104,9 +72,8 @@ def bench_deposit(
                 for rep in range(reps + 2):
                     keys = [next(serial).to_bytes(8, "big") for _ in range(nkeys)]
                     blocks = {k: inst.engine.ref(i) for i, k in enumerate(keys)}
-                    kv = inst.kv
-                    elapsed, got = inst.engine.timed(lambda b=blocks, kv=kv: kv.deposit(b), nkeys)
-                    all_success(f"deposit {case}", got, nkeys)
+                    deposit = functools.partial(inst.kv.deposit, blocks)
+                    elapsed = inst.engine.seconds(deposit, nkeys, f"deposit {case}")
                     if rep >= 2:  # two warm-ups per round
                         times[journal].append(elapsed)
         finally:
@@ -137,26 +104,22 @@ def bench_deposit(
 def bench_warm_start(rows: list[Row], nblocks: int, reps: int, quiet: bool) -> None:
     block = 4 * KIB
     region = common.randomized(block * 1000, seed=1)
-    service = guard_service(block * max(nblocks, 1000) * 2)
+    service = pool_service(block * max(nblocks, 1000) * 2)
     try:
         log(f"warm start: {nblocks} blocks", quiet)
         empty: list[float] = []
         for rep in range(reps):  # baseline first, while the journal is still empty
             t0 = time.perf_counter()
-            inst = Instance(service, f"warm0-{os.getpid()}-{rep}", block, region)
+            inst = GuardInstance(service, f"warm0-{os.getpid()}-{rep}", block, region)
             empty.append(time.perf_counter() - t0)
             inst.close()
-        inst = Instance(service, f"fill-{os.getpid()}", block, region)
-        for first in range(0, nblocks, 1000):
-            count = min(1000, nblocks - first)
-            keys = [(first + i).to_bytes(8, "big") for i in range(count)]
-            handle = inst.kv.deposit({k: inst.engine.ref(i) for i, k in enumerate(keys)})
-            all_success("fill", inst.engine.wait(handle, count), count)
+        inst = GuardInstance(service, f"fill-{os.getpid()}", block, region)
+        inst.engine.fill(nblocks)
         inst.close()
         warm: list[float] = []
         for rep in range(reps):
             t0 = time.perf_counter()
-            inst = Instance(service, f"warm-{os.getpid()}-{rep}", block, region)
+            inst = GuardInstance(service, f"warm-{os.getpid()}-{rep}", block, region)
             warm.append(time.perf_counter() - t0)
             found = sum(
                 1
@@ -182,45 +145,23 @@ def bench_warm_start(rows: list[Row], nblocks: int, reps: int, quiet: bool) -> N
     )
 
 
-HOLDER = Path(__file__).resolve().parent / "recovery_holder.py"
-
-
-def kill_a_holder(service: common.GuardService, nblocks: int) -> float:
-    """Start a holder of ``nblocks`` blocks over group 0 (``recovery_holder.py``), SIGKILL
-    it once it is ready: the seconds until ``status`` says the group is served."""
-    holder = subprocess.Popen(
-        [sys.executable, str(HOLDER), service.socket_path, str(service.port), str(nblocks), DIGEST],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert holder.stdout is not None
-    if holder.stdout.readline().strip() != "ready":
-        raise RuntimeError("the holder did not start")
-    t0 = time.perf_counter()
-    holder.kill()
-    while service.state(0) != "serving":
-        time.sleep(0.0005)
-    elapsed = time.perf_counter() - t0
-    holder.wait()
-    return elapsed
-
-
 def bench_takeover(rows: list[Row], nblocks: int, reps: int, quiet: bool) -> None:
-    service = guard_service(4 * KIB * 20000, groups=2)
+    service = pool_service(4 * KIB * 20000, groups=2)
     kill_to_serving: list[float] = []
     claim_served: list[float] = []
     claim_idle: list[float] = []
     try:
         for rep in range(reps):
             log(f"takeover: {nblocks} blocks, rep {rep}", quiet)
-            kill_to_serving.append(kill_a_holder(service, nblocks))
+            kill_to_serving.append(service.kill_a_holder(nblocks))
             t0 = time.perf_counter()
-            hold = service.client.claim(0, [("", 4 * KIB)], DIGEST, ("127.0.0.1", service.port))
+            hold = service.client.claim(
+                0, [("", 4 * KIB)], service.digest, ("127.0.0.1", service.port)
+            )
             claim_served.append(time.perf_counter() - t0)
             hold.release()
             t0 = time.perf_counter()
-            other = service.client.claim(1, [("", 4 * KIB)], DIGEST, ("127.0.0.1", 0))
+            other = service.client.claim(1, [("", 4 * KIB)], service.digest, ("127.0.0.1", 0))
             claim_idle.append(time.perf_counter() - t0)
             other.release()
         took = service.log_seconds("took_over")
@@ -262,13 +203,9 @@ def bench_takeover(rows: list[Row], nblocks: int, reps: int, quiet: bool) -> Non
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = arguments(__doc__.split("\n\n")[0], "fewer repetitions (~30 s)", argv)
-    if args.runs > 1:
-        return repeated(__file__, args, "kvcr recovery benchmark")
+def measure(args: argparse.Namespace) -> tuple[list[Row], list[str]]:
     quiet = args.json_only
     reps, rounds, warm_reps = (10, 2, 3) if args.quick else (100, 6, 7)
-    started = time.monotonic()
     rows: list[Row] = []
     bench_deposit(rows, "16 x 7 MiB", 7 * MIB, 16, max(reps // 4, 5), rounds, True, quiet)
     bench_deposit(rows, "256 x 64 KiB", 64 * KIB, 256, reps, rounds, True, quiet)
@@ -277,15 +214,11 @@ def main(argv: list[str] | None = None) -> int:
         bench_warm_start(rows, n, warm_reps, quiet)
     for n in (100, 1000, 10000):
         bench_takeover(rows, n, max(warm_reps // 2, 2), quiet)
-    elapsed = time.monotonic() - started
-    notes = [
-        "deposit: one instance, its index's journal attached or detached by rounds",
-        "warm start baseline: the same construction over an empty journal",
-        "takeover: the first one in a service also starts its NIXL agent (excluded: median)",
-        "handback baseline: claiming an idle group of the same service",
-    ]
-    report(rows, notes, "kvcr crash-recovery benchmark", args, elapsed)
-    return 0
+    return rows, list(NOTES)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(measure, argv, "kvcr crash-recovery benchmark", "fewer repetitions (~30 s)")
 
 
 if __name__ == "__main__":

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import numpy as np
+from common import Engine
 
 from kvcr import KVCR, KVCRBindings
 from kvcr.config import KVCRBackendConfigs, KVCRConfig, KVCRGuardConfig
 from kvcr.control_channels import ZmqPeerControlChannel
-from kvcr.types import MemoryRef, RegionDescriptor
+from kvcr.types import RegionDescriptor
 
 BLOCK = 4096
 ELEMENTS = 1000
@@ -41,18 +41,7 @@ def main() -> None:
         ),
         KVCRGuardConfig(socket_path, 0, digest),
     )
-    done = 0
-    for first in range(0, n, ELEMENTS):
-        count = min(ELEMENTS, n - first)
-        kv.deposit(
-            {
-                (first + i).to_bytes(8, "big"): [MemoryRef(end_point_name=name, element_index=i)]
-                for i in range(count)
-            }
-        )
-        while done < first + count:
-            done += sum(len(results) for _, results in kv.poll_completed())
-            time.sleep(0.001)
+    Engine(kv, name, cadence=0.001).fill(n, ELEMENTS)  # keys 0..n-1, polled every 1 ms
     print("ready", flush=True)
     sys.stdin.read()
 

@@ -40,6 +40,7 @@ Each row is beside the same figure at 10k (the baseline column), so the ratio is
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import gc
 import os
@@ -49,9 +50,7 @@ import time
 from typing import Any
 
 import common
-from common import Row, arguments, log, repeated, report
-from local import all_success
-from recovery import Instance, guard_service, kill_a_holder
+from common import GuardInstance, Row, log, poll_until, pool_service, run_main, succeeded
 
 BLOCK = 4 * common.KIB
 BATCH = 1000  # keys per fill call, and elements of the engine region
@@ -84,13 +83,6 @@ def full_collect_ms() -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def fill(inst: Instance, n: int) -> None:
-    for first in range(0, n, BATCH):
-        count = min(BATCH, n - first)
-        handle = inst.kv.deposit({key(first + i): inst.engine.ref(i) for i in range(count)})
-        all_success("fill", inst.engine.wait(handle, count), count)
-
-
 def best_of(times: int, measure: Any) -> float:
     return min(measure() for _ in range(times))
 
@@ -101,9 +93,9 @@ def measure_filled(service: common.GuardService, n: int, region: Any) -> dict[st
     gc.collect()
     rss0, objects0 = rss_anon(), len(gc.get_objects())
     out["gc_before_ms"] = best_of(7, full_collect_ms)
-    inst = Instance(service, f"scale-{os.getpid()}-{n}", BLOCK, region)
+    inst = GuardInstance(service, f"scale-{os.getpid()}-{n}", BLOCK, region)
     try:
-        fill(inst, n)
+        inst.engine.fill(n, BATCH)
         gc.collect()
         out["rss_per_block"] = (rss_anon() - rss0) / n
         out["gc_objects_per_block"] = (len(gc.get_objects()) - objects0) / n
@@ -125,15 +117,22 @@ def measure_filled(service: common.GuardService, n: int, region: Any) -> dict[st
         )
         wanted = {k: inst.engine.ref(i % BATCH) for i, k in enumerate(hits)}
         # Deliver first: the deposits evict (at 10k, 22 of them evict every block filled).
+        # The engine polls every POLL_S, as a scheduler does (not spinning: a spinning engine
+        # thread takes the GIL from the runtime's between its steps).
+        poll = inst.engine.at(POLL_S)
         for name, submit in (
             ("deliver", lambda: kv.deliver(wanted)),
             ("deposit", lambda: kv.deposit(next(new_blocks))),
         ):
+
+            def polled(submit: Any = submit) -> float:
+                return poll.timed(submit, PROBE, succeeded)[0]
+
             cpu = runtime_clock(inst)
-            warm_ups = [polled(kv, name, submit, PROBE) for _ in range(WARM_UPS)]
+            warm_ups = [polled() for _ in range(WARM_UPS)]
             out[f"{name}_first_us"] = warm_ups[0] / PROBE * 1e6
             c0 = time.clock_gettime(cpu)
-            times = [polled(kv, name, submit, PROBE) for _ in range(SAMPLES)]
+            times = [polled() for _ in range(SAMPLES)]
             out[f"{name}_cpu_us"] = (time.clock_gettime(cpu) - c0) / (SAMPLES * PROBE) * 1e6
             out[f"{name}_us"] = common.percentile(times, 50) / PROBE * 1e6
         out["copy_us"] = copy_us()
@@ -160,37 +159,18 @@ def copy_us() -> float:
     return common.percentile(times, 50) / PROBE * 1e6
 
 
-def fenced(inst: Instance, call: Any, pause: float = 0.0) -> float:
+def fenced(inst: GuardInstance, call: Any, pause: float = 0.0) -> float:
     """µs from ``call`` until an empty deliver made after it is answered: the runtime takes
     commands in order, so this covers the call's work there (beside the fence alone)."""
     kv = inst.kv
     t0 = time.perf_counter()
     call()
     fence = kv.deliver({})
-    while not any(handle == fence for handle, _ in kv.poll_completed()):
-        time.sleep(pause)
+    poll_until(kv, fence, 0, pause)
     return (time.perf_counter() - t0) * 1e6
 
 
-def polled(kv: Any, what: str, submit: Any, nkeys: int) -> float:
-    """Seconds from the engine call until the poll that returned its last entry, polling
-    every ``POLL_S`` as a scheduler does (not spinning: a spinning engine thread takes the
-    GIL from the runtime's between its steps)."""
-    t0 = time.perf_counter()
-    handle, got = submit(), 0
-    while True:
-        for op, done in kv.poll_completed():
-            if op == handle:
-                all_success(what, done, len(done))
-                got += len(done)
-        if got >= nkeys:
-            return time.perf_counter() - t0
-        time.sleep(POLL_S)
-        if time.perf_counter() - t0 > 60:
-            raise RuntimeError(f"{what}: {got}/{nkeys} entries after 60 s")
-
-
-def runtime_clock(inst: Instance) -> int:
+def runtime_clock(inst: GuardInstance) -> int:
     """The CPU-time clock of the instance's runtime thread."""
     name = f"kvcr-{inst.engine.agent}"
     thread = next(t for t in threading.enumerate() if t.name == name)
@@ -198,7 +178,7 @@ def runtime_clock(inst: Instance) -> int:
     return time.pthread_getcpuclockid(thread.ident)
 
 
-def runtime_cpu_us(inst: Instance, call: Any, times: int = 21) -> float:
+def runtime_cpu_us(inst: GuardInstance, call: Any, times: int = 21) -> float:
     """The runtime thread's CPU time, µs, for ``call`` and an empty deliver after it
     (median of ``times``); the engine polls every ``POLL_S`` meanwhile."""
     cpu, samples = runtime_clock(inst), []
@@ -220,7 +200,7 @@ def measure_warm_start(service: common.GuardService, n: int, region: Any, reside
     """ms to construct a KVCR over the group holding ``resident`` committed blocks (about
     n: the deposit measurement evicted some and added others); all must come back."""
     t0 = time.perf_counter()
-    inst = Instance(service, f"scale-warm-{os.getpid()}-{n}", BLOCK, region)
+    inst = GuardInstance(service, f"scale-warm-{os.getpid()}-{n}", BLOCK, region)
     elapsed = time.perf_counter() - t0
     try:
         found = inst.runtime.gauges()["local_g2_blocks"]
@@ -240,13 +220,13 @@ def measure_takeover(service: common.GuardService, n: int) -> tuple[float, float
 
 
 def take_over_once(service: common.GuardService, n: int) -> tuple[float, float]:
-    kill_to_serving = kill_a_holder(service, n) * 1e3
+    kill_to_serving = service.kill_a_holder(n) * 1e3
     return kill_to_serving, service.log_seconds("took_over")[-1] * 1e3
 
 
 def bench(n: int, quiet: bool) -> dict[str, float]:
     region = common.randomized(BLOCK * BATCH, seed=n)
-    service = guard_service(BLOCK * (n + 64))
+    service = pool_service(BLOCK * (n + 64))
     try:
         log(f"{n} blocks: fill and measure", quiet)
         out = measure_filled(service, n, region)
@@ -289,12 +269,8 @@ ROWS = (  # figure, what it is, unit
 )
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = arguments(__doc__.split("\n\n")[0], "10k and 100k blocks only (~1 min)", argv)
-    if args.runs > 1:
-        return repeated(__file__, args, "kvcr at scale")
+def measure(args: argparse.Namespace) -> tuple[list[Row], list[str]]:
     counts = (10_000, 100_000) if args.quick else (10_000, 100_000, 1_000_000)
-    started = time.monotonic()
     figures = {n: bench(n, args.json_only) for n in counts}
     rows: list[Row] = []
     base = figures[counts[0]]
@@ -308,8 +284,11 @@ def main(argv: list[str] | None = None) -> int:
         "4 KiB blocks; baseline column: the same figure at 10k blocks (the ratio is the growth)",
         f"this process's Python: {sys.version.split()[0]}, gc thresholds {gc.get_threshold()}",
     ]
-    report(rows, notes, "kvcr at scale", args, time.monotonic() - started)
-    return 0
+    return rows, notes
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(measure, argv, "kvcr at scale", "10k and 100k blocks only (~1 min)")
 
 
 if __name__ == "__main__":
