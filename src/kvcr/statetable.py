@@ -6,7 +6,7 @@ group) keeps its state as a member of an enum and changes it only through
 the caller and raises :class:`IllegalMove`, naming the record. Tests walk each table
 (``tests/unit/test_transfer_lifecycle.py``, ``test_guard_rules.py``).
 
-States and events are :class:`enum.StrEnum` members, so a state says the same thing in a log
+States and events are :class:`StrEnum` members, so a state says the same thing in a log
 event or on the wire (``ProbeAck.state``, ``GroupStatus.state``) as in the code, and the code
 compares members, never strings.
 """
@@ -14,6 +14,7 @@ compares members, never strings.
 from __future__ import annotations
 
 import enum
+import sys
 from collections.abc import Mapping
 from typing import Generic, TypeVar
 
@@ -21,6 +22,19 @@ import attrs
 
 S = TypeVar("S", bound=enum.Enum)
 E = TypeVar("E", bound=enum.Enum)
+
+if sys.version_info >= (3, 11):
+    from enum import StrEnum
+else:  # Python 3.10 has no enum.StrEnum: the same, as far as kvcr uses it
+
+    class StrEnum(str, enum.Enum):
+        """Members are their values: equal to, hashed and formatted as the string."""
+
+        def __str__(self) -> str:
+            return str(self.value)
+
+        def __format__(self, spec: str) -> str:
+            return str(self.value).__format__(spec)
 
 
 class IllegalMove(RuntimeError):

@@ -52,7 +52,7 @@ from kvcr.guard.procs import (
     close_quietly,
     peer_cred,
 )
-from kvcr.guard.rules import Groups, Lease, Refusal
+from kvcr.guard.rules import GroupEvent, Groups, GroupState, Lease, Refusal
 
 MAX_CONNECTIONS = 256
 CONTROL_BACKLOG = 128
@@ -441,16 +441,16 @@ class GuardService:
             refusal = self.groups.check_claim(request, cred.pid)
             if refusal is not None:
                 return refusal
-            handed_back = self.groups[guard.index].state == "serving"
+            handed_back = self.groups[guard.index].state is GroupState.SERVING
             try:
                 if handed_back:
                     await guard.hand_back()
-                    if self.groups[guard.index].state == "unusable":
+                    if self.groups[guard.index].state is GroupState.UNUSABLE:
                         return self.groups.check_claim(request, cred.pid)  # says why
                 return await self._lend(conn, log, guard, request, pidfd)
             finally:
-                if self.groups[guard.index].state == "handing_back":
-                    self.groups.move(guard.index, "stop")
+                if self.groups[guard.index].state is GroupState.HANDING_BACK:
+                    self.groups.move(guard.index, GroupEvent.STOP)
                 if handed_back:
                     # The stopped server's objects (its NIXL agent and the connections it
                     # holds) form reference cycles: free them now, after the grant.
@@ -476,7 +476,7 @@ class GuardService:
             granted = self._granted(request, lease, port)
             await self._send(conn, granted, (guard.file.fd, listener.fileno()))
         except BaseException:
-            self.groups.end_lease(guard.index, lease.number, "release")
+            self.groups.end_lease(guard.index, lease.number, GroupEvent.RELEASE)
             raise
         guard.watch(lease, pidfd)
         guard.tally.claims_granted += 1
