@@ -18,16 +18,15 @@ import trio
 
 from kvcr.bindings import KVCRBindings
 from kvcr.config import (
-    FrameworkControl,
     KVCRBackendConfigs,
     KVCRConfig,
     KVCRGuardConfig,
-    SharedListenerControl,
     for_instance,
     validate_pools_against_layouts,
     validate_setup,
 )
 from kvcr.control_channels import endpoint_host
+from kvcr.engine_protocols import FrameworkControl, SharedListenerControl
 from kvcr.errors import KVCRServiceError
 from kvcr.guard.client import KVCRClient, KVCRPoolHold
 from kvcr.logs import get_logger
