@@ -41,6 +41,9 @@ class GroupState(StrEnum):
 
 
 class GroupEvent(StrEnum):
+    """What happens to a group: a claim, its holder's release or exit, the service's own
+    moves (takeover, stop, unsafe, handed back)."""
+
     CLAIM = "claim"
     TAKEOVER = "takeover"
     RELEASE = "release"

@@ -2,9 +2,9 @@
 its peers: nixl_agent.py, the only module that imports nixl; G3 files: nixl_files.py).
 
 The agent runs without NIXL's progress thread; the runtime polls transfers instead, often
-while any is in flight and not at all when idle. Local copies do not go through NIXL: a loopback transfer is CMA, which
-pins and walks every page (on 4 KiB pages, ~0.5x memcpy); they are ``memmove``\\ s on copy
-threads (copier.py), polled like any transfer.
+while any is in flight and not at all when idle. Local copies do not go through NIXL: a
+loopback transfer is CMA, which pins and walks every page (on 4 KiB pages, ~0.5x memcpy);
+they are ``memmove``\\ s on copy threads (copier.py), polled like any transfer.
 
 Peer writes (destination-initiated, the source writes): the destination hands its
 ``metadata()`` to the source over the control channel; the source ``add_peer``\\ s it and
