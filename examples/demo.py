@@ -76,9 +76,9 @@ from kvcr_workers import (
     shared_pages,
 )
 
-# kvcr's transport module is the one place that imports nixl (and picks nixl_cu13 or the
+# kvcr's transport/nixl_agent.py is the one place that imports nixl (and picks nixl_cu13 or the
 # meta package); the raw baseline takes the agent class from there.
-from kvcr.transport.nixl import nixl_agent, nixl_agent_config
+from kvcr.transport.nixl_agent import nixl_agent, nixl_agent_config
 
 BLOCK_SIZE = 512 * 1024
 BATCH = 16  # blocks per engine operation

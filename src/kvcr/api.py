@@ -16,7 +16,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from kvcr.bindings import KVCRBindings
-from kvcr.config import KVCRBackendConfigs, KVCRConfig, KVCRGuardConfig, TelemetryStats
+from kvcr.config import KVCRBackendConfigs, KVCRConfig, KVCRGuardConfig
+from kvcr.engine_protocols import TelemetryStats
 from kvcr.hint_book import HintBook
 from kvcr.hints import RouterHint, parse_router_hint
 from kvcr.instance import Instance

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
-from kvcr.config import FrameworkControl, KeyAdapter, TelemetryStats
+from kvcr.engine_protocols import FrameworkControl, KeyAdapter, TelemetryStats
 from kvcr.policy import HOOKS as POLICY_HOOKS
 from kvcr.policy import KVCachePolicy
 from kvcr.types import BlockKey, PinRequestId, PinResult

@@ -1,4 +1,5 @@
-"""Configuration values and the protocols an engine adapter implements (contract section 3).
+"""Configuration values (contract section 3); the protocols an engine adapter implements,
+which the contract also names here, are in :mod:`kvcr.engine_protocols`.
 
 Each class validates itself at construction and raises ``ValueError`` naming the setting.
 Checks that span several objects (pools against layouts, G3 against local DRAM, guard
@@ -14,22 +15,18 @@ from __future__ import annotations
 import dataclasses
 import os
 import reprlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Protocol, TypeGuard, runtime_checkable
+from typing import TypeGuard
 
+# Re-exported: the contract names these protocols in kvcr.config.
+from kvcr.engine_protocols import FrameworkControl, InventorySink, KeyAdapter, TelemetryStats  # noqa: F401
 from kvcr.g3 import paths as g3_paths
-from kvcr.guard.protocol import MAX_GROUPS
-from kvcr.types import (
-    BlockKey,
-    InventoryEvent,
-    LocalDramRegions,
-    PoolBlockLayouts,
-    RegionDescriptor,
-)
+from kvcr.types import LocalDramRegions, PoolBlockLayouts, RegionDescriptor
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 MEM_TYPES = ("DRAM", "VRAM")
+MAX_GROUPS = 4096  # pool groups of a guard service: bounds guard_index, and the guard's wire
 
 
 class _ShortRepr(reprlib.Repr):
@@ -448,58 +445,3 @@ def validate_g3_layout(layouts: PoolBlockLayouts, g3: G3Options) -> None:
             f"G3Options: capacity_bytes_per_file ({_shown(g3.capacity_bytes_per_file)}) must be a whole "
             f"number of blocks of {block} bytes"
         )
-
-
-@runtime_checkable
-class TelemetryStats(Protocol):
-    """The engine's metrics interval (``stats_factory``). kvcr calls its methods only on the
-    engine's thread, inside ``poll_completed`` and ``get_stats`` (contract section 4)."""
-
-    def increase_counter(
-        self, name: str, value: int | float, labelvalues: tuple[str, ...] = ()
-    ) -> None: ...
-
-    def set_gauge(
-        self, name: str, value: int | float, labelvalues: tuple[str, ...] = ()
-    ) -> None: ...
-
-    def observe_histogram(
-        self, name: str, value: int | float, labelvalues: tuple[str, ...] = ()
-    ) -> None: ...
-
-    def reduce(self) -> dict: ...
-
-    def is_empty(self) -> bool: ...
-
-
-@runtime_checkable
-class FrameworkControl(Protocol):
-    """The peer control channel. kvcr calls ``send`` and ``recv`` from its own runtime
-    thread, one call at a time; both must return at once."""
-
-    def send(self, endpoint: str, message: bytes) -> bool: ...
-
-    def recv(self) -> list[bytes]: ...
-
-
-class SharedListenerControl(FrameworkControl, Protocol):
-    """A :class:`FrameworkControl` that can receive on a listener the guard service bound
-    (what ``guard_config`` needs), such as ``ZmqPeerControlChannel``."""
-
-    def control_bind_address(self) -> tuple[str, int]: ...
-
-    def adopt_listener(self, listener_fd: int) -> None: ...
-
-
-@runtime_checkable
-class KeyAdapter(Protocol):
-    """Engine block hashes <-> kvcr keys: a pure function, called from any thread."""
-
-    def encode(self, framework_key: object) -> BlockKey: ...
-
-    def decode(self, key: BlockKey) -> int | bytes: ...
-
-
-# Called on the engine's thread, inside poll_completed (get_stats, close), before the results
-# of the operations whose blocks it announces.
-InventorySink = Callable[[InventoryEvent], None]

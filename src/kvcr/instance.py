@@ -12,22 +12,21 @@ import dataclasses
 import functools
 import threading
 from collections.abc import Callable
-from typing import Any, TypeGuard
+from typing import TypeGuard
 
 import trio
 
 from kvcr.bindings import KVCRBindings
 from kvcr.config import (
-    FrameworkControl,
     KVCRBackendConfigs,
     KVCRConfig,
     KVCRGuardConfig,
-    SharedListenerControl,
     for_instance,
     validate_pools_against_layouts,
     validate_setup,
 )
 from kvcr.control_channels import endpoint_host
+from kvcr.engine_protocols import FrameworkControl, SharedListenerControl
 from kvcr.errors import KVCRServiceError
 from kvcr.guard.client import KVCRClient, KVCRPoolHold
 from kvcr.logs import get_logger
@@ -35,6 +34,7 @@ from kvcr.runtime.build import Built, Journal, build
 from kvcr.runtime.commands import Close
 from kvcr.runtime.engine_calls import EngineSide
 from kvcr.transport.base import Transport
+from kvcr.transport.factory import nixl_factory
 from kvcr.types import KVCRStartupError
 
 STARTUP_TIMEOUT_S = 60.0
@@ -55,23 +55,6 @@ def unwrap(exc: BaseException) -> BaseException:
         exc = inner[0]
         inner = getattr(exc, "exceptions", None)
     return exc
-
-
-def nixl_factory(config: KVCRConfig, backend_configs: KVCRBackendConfigs) -> Callable[[], Any]:
-    """One agent serves the pools and the peers: the pools' backend when there are pools,
-    the peers' otherwise (both are "UCX" for host DRAM)."""
-
-    def factory() -> Transport:
-        from kvcr.transport.nixl import NixlTransport
-
-        local = backend_configs.local_dram
-        backend = local.backend if local is not None else backend_configs.remote_fw_dram.backend
-        # A stalled TCP write ends at the operation timeout (see transport/nixl.py).
-        return NixlTransport(
-            config.nixl_agent_name, backend, user_timeout_ms=config.operation_timeout_ms
-        )
-
-    return factory
 
 
 class Instance:

@@ -14,6 +14,7 @@ compares members, never strings.
 from __future__ import annotations
 
 import enum
+import sys
 from collections.abc import Mapping
 from typing import Generic, TypeVar
 
@@ -33,6 +34,19 @@ class StrEnum(str, enum.Enum):
 
 S = TypeVar("S", bound=enum.Enum)
 E = TypeVar("E", bound=enum.Enum)
+
+if sys.version_info >= (3, 11):
+    from enum import StrEnum
+else:  # Python 3.10 has no enum.StrEnum: the same, as far as kvcr uses it
+
+    class StrEnum(str, enum.Enum):
+        """Members are their values: equal to, hashed and formatted as the string."""
+
+        def __str__(self) -> str:
+            return str(self.value)
+
+        def __format__(self, spec: str) -> str:
+            return str(self.value).__format__(spec)
 
 
 class IllegalMove(RuntimeError):

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvcr.config import TelemetryStats
+from kvcr.engine_protocols import TelemetryStats
 
 DURATION_METRIC = "kvcr_duration_seconds"
 TRANSFER_BYTES_METRIC = "kvcr_transfer_bytes"

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from kvcr.transport.base import Segment, TransportError, XferState
-from kvcr.transport.nixl import NixlTransport, metadata_agent_name
+from kvcr.transport.nixl import NixlTransport
+from kvcr.transport.nixl_agent import metadata_agent_name
 
 pytestmark = pytest.mark.integration
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from kvcr.guard.protocol import ClaimRequest, G3Description
-from kvcr.guard.rules import TRANSITIONS, Group, Groups, IllegalTransition
+from kvcr.guard.protocol import GROUP_STATES, ClaimRequest, G3Description
+from kvcr.guard.rules import GROUP, Group, GroupEvent, Groups, GroupState
+from kvcr.statetable import IllegalMove
+
+S, E = GroupState, GroupEvent
 
 PID = 4242
 
@@ -32,33 +35,58 @@ def groups() -> Groups:
 
 
 def test_every_legal_move_is_in_the_table_and_anything_else_raises() -> None:
-    assert TRANSITIONS == {
-        "idle": {"claim": "held", "takeover": "serving"},
-        "held": {"release": "idle", "holder_exit": "idle"},
-        "serving": {"claim": "handing_back", "stop": "idle", "unsafe": "unusable"},
-        "handing_back": {"handed_back": "held", "stop": "idle", "unsafe": "unusable"},
-        "unusable": {},
-    }
-    events = {e for moves in TRANSITIONS.values() for e in moves}
-    for state, moves in TRANSITIONS.items():
-        for event in events:
-            group = Group(index=0, pool_sizes=(1,), state=state)
+    for state, moves in GROUP.moves.items():
+        for event in GROUP.events:
+            group = Group(index=3, pool_sizes=(1,), state=state)
             if event in moves:
+                assert GROUP.allows(state, event)
                 group.move(event)
-                assert group.state == moves[event]
+                assert group.state is moves[event]
+                assert moves[event] in GROUP.moves  # every target is a state of the table
             else:
-                with pytest.raises(IllegalTransition, match=f"can't handle event '{event}'"):
+                assert not GROUP.allows(state, event)
+                with pytest.raises(IllegalMove, match=f"can't handle event '{event.value}'"):
                     group.move(event)
+                assert group.state is state  # a refused move changes nothing
+
+
+def test_the_group_table_lends_a_group_to_one_holder_at_a_time() -> None:
+    assert GROUP.moves == {
+        S.IDLE: {E.CLAIM: S.HELD, E.TAKEOVER: S.SERVING},
+        S.HELD: {E.RELEASE: S.IDLE, E.HOLDER_EXIT: S.IDLE},
+        S.SERVING: {E.CLAIM: S.HANDING_BACK, E.STOP: S.IDLE, E.UNSAFE: S.UNUSABLE},
+        S.HANDING_BACK: {E.HANDED_BACK: S.HELD, E.STOP: S.IDLE, E.UNSAFE: S.UNUSABLE},
+        S.UNUSABLE: {},
+    }
+    assert GROUP.events == set(GroupEvent) and set(GROUP.moves) == set(GroupState)
+    assert [s for s in GroupState if GROUP.terminal(s)] == [S.UNUSABLE]
+    assert GROUP.reachable(S.IDLE) == set(GroupState)
+    # A group is lent (held) only by a claim, of an idle group or of one handed back.
+    into_held = {
+        (s, e) for s, moves in GROUP.moves.items() for e, t in moves.items() if t is S.HELD
+    }
+    assert into_held == {(S.IDLE, E.CLAIM), (S.HANDING_BACK, E.HANDED_BACK)}
+
+
+def test_an_illegal_move_names_the_group_its_event_and_its_state() -> None:
+    group = Group(index=3, pool_sizes=(1,), state=S.HELD)
+    with pytest.raises(IllegalMove) as raised:
+        group.move(E.CLAIM)
+    assert str(raised.value) == "guard group 3: can't handle event 'claim' in state 'held'"
+
+
+def test_the_states_are_the_wires_group_states_in_order() -> None:
+    assert [s.value for s in GroupState] == list(GROUP_STATES)
 
 
 def test_an_unusable_group_is_never_lent_again_and_the_refusal_says_why(groups) -> None:
     groups.grant(request(), 5000)
-    assert groups.end_lease(0, groups[0].lease.number, "holder_exit")
-    groups.move(0, "takeover")
-    groups.move(0, "claim")  # a claimant arrived: the server is being handed back
+    assert groups.end_lease(0, groups[0].lease.number, E.HOLDER_EXIT)
+    groups.move(0, E.TAKEOVER)
+    groups.move(0, E.CLAIM)  # a claimant arrived: the server is being handed back
     groups.mark_unusable(0, "a transfer of its server may still read its pools")
 
-    assert groups[0].state == "unusable"
+    assert groups[0].state is S.UNUSABLE
     refusal = groups.check_claim(request(), PID)
     assert refusal is not None and refusal.code == "held"
     assert "cannot be lent again (a transfer of its server may still read its pools)" in (
@@ -70,8 +98,8 @@ def test_an_unusable_group_is_never_lent_again_and_the_refusal_says_why(groups) 
 def test_a_grant_holds_the_group_under_a_fresh_lease(groups) -> None:
     assert groups.check_claim(request(), PID) is None
     first = groups.grant(request(), 5000)
-    assert groups[0].state == "held" and first.pid == PID
-    assert groups.end_lease(0, first.number, "release")
+    assert groups[0].state is S.HELD and first.pid == PID
+    assert groups.end_lease(0, first.number, E.RELEASE)
     second = groups.grant(request(), 5000)
     assert second.number > first.number  # lease numbers are never reused
 
@@ -100,15 +128,15 @@ def test_claims_that_break_a_rule_are_refused_with_a_reason(
 
 def test_a_served_group_is_claimable_and_handed_back_before_the_new_lease(groups) -> None:
     first = groups.grant(request(), 5000)
-    groups.end_lease(0, first.number, "holder_exit")
-    groups.move(0, "takeover")
-    assert groups[0].state == "serving"
+    groups.end_lease(0, first.number, E.HOLDER_EXIT)
+    groups.move(0, E.TAKEOVER)
+    assert groups[0].state is S.SERVING
     assert groups.check_claim(request(pid=7), 7) is None
 
-    groups.move(0, "claim")  # the service stops serving: handing back
+    groups.move(0, E.CLAIM)  # the service stops serving: handing back
     assert groups.check_claim(request(pid=8), 8).code == "held"  # one claimant at a time
     lease = groups.grant(request(pid=7), 5000)
-    assert groups[0].state == "held" and lease.pid == 7
+    assert groups[0].state is S.HELD and lease.pid == 7
 
 
 def test_a_held_group_is_refused_naming_the_holder(groups) -> None:
@@ -135,16 +163,16 @@ G3 = G3Description(
 )
 def test_the_first_claim_fixes_the_terms_for_the_groups_life(groups, changes, code) -> None:
     lease = groups.grant(request(), 5000)
-    groups.end_lease(0, lease.number, "holder_exit")
+    groups.end_lease(0, lease.number, E.HOLDER_EXIT)
 
     refusal = groups.check_claim(request(**changes), PID)
 
     assert refusal is not None and refusal.code == code
-    assert groups[0].state == "idle"  # a refusal changes nothing
+    assert groups[0].state is S.IDLE  # a refusal changes nothing
 
 
 def test_the_bound_port_or_the_first_requested_address_both_match(groups) -> None:
-    groups.end_lease(0, groups.grant(request(), 5000).number, "release")
+    groups.end_lease(0, groups.grant(request(), 5000).number, E.RELEASE)
     assert groups.check_claim(request(control_port=5000), PID) is None
     assert groups.check_claim(request(control_port=0), PID) is None
 
@@ -161,14 +189,15 @@ def test_only_the_holder_releases_and_only_its_current_lease(groups) -> None:
 
 def test_a_release_racing_the_holders_exit_ends_the_lease_once(groups) -> None:
     lease = groups.grant(request(), 5000)
-    assert groups.end_lease(0, lease.number, "holder_exit") is True
-    assert groups.end_lease(0, lease.number, "release") is False
-    assert groups[0].state == "idle" and groups[0].lease is None
+    assert groups.end_lease(0, lease.number, E.HOLDER_EXIT) is True
+    assert groups.end_lease(0, lease.number, E.RELEASE) is False
+    assert groups[0].state is S.IDLE and groups[0].lease is None
 
 
 def test_status_lists_every_group_with_its_holder_terms_and_endpoint(groups) -> None:
     groups.grant(request(guard_index=1), 5001)
     status = groups.status()
+    assert all(type(s.state) is str for s in status)  # the wire's plain strings
     fields = ("index", "state", "holder_pid", "layouts", "control_port")
     assert [attrs.asdict(s, filter=lambda a, _: a.name in fields) for s in status] == [
         {"index": 0, "state": "idle", "holder_pid": None, "layouts": [], "control_port": None},

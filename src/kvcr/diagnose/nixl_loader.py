@@ -1,4 +1,4 @@
-"""NIXL as kvcr imports it (kvcr.transport.nixl picks the package), imported once per run."""
+"""NIXL as kvcr imports it (kvcr.transport.nixl_agent picks the package), imported once per run."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ class NixlUnavailable(Exception):
 def load() -> Nixl:
     """Import NIXL the way the transport does. Raises NixlUnavailable."""
     try:
-        from kvcr.transport.nixl import nixl_agent, nixl_agent_config
+        from kvcr.transport.nixl_agent import nixl_agent, nixl_agent_config
     # Not only ImportError: a broken wheel fails with OSError from the dynamic loader.
     except Exception as exc:
         raise NixlUnavailable(f"{type(exc).__name__}: {exc}") from exc

@@ -23,11 +23,12 @@ from typing import Any
 
 import trio
 
+from kvcr.config import MAX_GROUPS
 from kvcr.errors import KVCRServiceError
 from kvcr.guard import hugepages
 from kvcr.guard.client import KVCRClient
 from kvcr.guard.pools import JOURNAL_BYTES, parse_pool_sizes_gb
-from kvcr.guard.protocol import MAX_DIGEST, MAX_GROUPS, GroupStatus
+from kvcr.guard.protocol import MAX_DIGEST, GroupStatus
 from kvcr.guard.service import GuardService, ServiceConfig, ServiceStartError
 from kvcr.logs import get_logger, parse_level
 

@@ -21,7 +21,7 @@ from kvcr.guard import protocol as wire
 from kvcr.guard.metrics import GroupTally
 from kvcr.guard.pools import GroupFile, map_group
 from kvcr.guard.procs import close_quietly
-from kvcr.guard.rules import Groups, Lease
+from kvcr.guard.rules import GroupEvent, Groups, GroupState, Lease
 from kvcr.guard.serving import CannotServe, GroupServer, Standby, group_memory
 from kvcr.policy import LRUPolicy
 from kvcr.runtime.mirror import Followed, Replayed
@@ -103,7 +103,7 @@ class Guard:
             raise
 
     def released(self, lease: int, activated: bool = True) -> None:
-        if self.groups.end_lease(self.index, lease, "release"):
+        if self.groups.end_lease(self.index, lease, GroupEvent.RELEASE):
             self.log.info("lease_ended", lease=lease, reason="released", activated=activated)
         if self._watch is not None and self._watch[0] == lease:
             self._watch[1].cancel()
@@ -119,7 +119,9 @@ class Guard:
                         if self.nursery is not None:
                             self.nursery.start_soon(self._open_standby)
                         await trio.lowlevel.wait_readable(pidfd)
-                        exited = self.groups.end_lease(self.index, lease.number, "holder_exit")
+                        exited = self.groups.end_lease(
+                            self.index, lease.number, GroupEvent.HOLDER_EXIT
+                        )
             finally:
                 self._watch = None
                 close_quietly(pidfd)
@@ -150,7 +152,7 @@ class Guard:
         that a takeover only applies the tail (while this Guard serves the group, its
         server's index is the state). A failure here is logged, not fatal."""
         while True:
-            if self.groups[self.index].state == "held":
+            if self.groups[self.index].state is GroupState.HELD:
                 await self._poll()
             await trio.sleep(interval_s)
 
@@ -193,7 +195,7 @@ class Guard:
         possible (no address peers could use, or the server fails to start), the group just
         stays idle and claimable: serving is a bonus, fencing leases is what must not fail."""
         group = self.groups[self.index]
-        if group.state != "idle" or group.terms is None or self.listener is None:
+        if group.state is not GroupState.IDLE or group.terms is None or self.listener is None:
             return
         started = trio.current_time()
         assert self.nursery is not None, "the supervisor runs the Guard"
@@ -224,7 +226,7 @@ class Guard:
             self._forget_if_clean()
             return
         self.server = server
-        self.groups.move(self.index, "takeover")
+        self.groups.move(self.index, GroupEvent.TAKEOVER)
         self.tally.takeovers += 1
         self.nursery.start_soon(self._watch_server, server)
         self.log.info("took_over", seconds=round(trio.current_time() - started, 6))
@@ -252,7 +254,7 @@ class Guard:
         """A claim arrived for the group this Guard serves: stop serving first (the journal
         then holds what the server held, for the claimant to recover). If the server could
         not stop cleanly, the group becomes unusable instead."""
-        self.groups.move(self.index, "claim")
+        self.groups.move(self.index, GroupEvent.CLAIM)
         started = trio.current_time()
         server, self.server = self.server, None
         with trio.CancelScope(shield=True):  # bounded by the runtime's own deadlines

@@ -26,7 +26,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
-from kvcr.guard.protocol import GROUP_STATES, GroupStatus
+from kvcr.guard.protocol import GroupStatus
+from kvcr.guard.rules import GroupState
 
 MAX_REQUEST_BYTES = 8192  # a scrape's request line and headers
 REQUEST_TIMEOUT_S = 5.0
@@ -121,8 +122,8 @@ class ServiceCollector(Collector):
             status = reading.status
             index = str(status.index)
             counts = tally.groups[status.index]
-            for name in GROUP_STATES:
-                state.add_metric([index, name], 1.0 if status.state == name else 0.0)
+            for name in GroupState:  # the wire's order and strings: labels as before
+                state.add_metric([index, name.value], 1.0 if status.state == name else 0.0)
             holder.add_metric([index], 1.0 if status.holder_pid is not None else 0.0)
             if status.journal_blocks is not None:
                 blocks.add_metric([index], status.journal_blocks)

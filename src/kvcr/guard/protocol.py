@@ -34,6 +34,7 @@ import msgpack
 from cattrs.gen import make_dict_structure_fn
 from cattrs.preconf.msgpack import make_converter
 
+from kvcr.config import MAX_GROUPS
 from kvcr.errors import KVCRMsgFramingError
 from kvcr.wire import describe, pack, strict_scalars
 
@@ -49,7 +50,6 @@ MAX_PATH = 4096
 MAX_BACKEND = 64
 MAX_G3_PATHS = 1024
 MAX_BACKEND_OPTIONS = 64
-MAX_GROUPS = 4096
 MAX_REFUSAL = 1024
 MAX_ERROR_TEXT = 300
 

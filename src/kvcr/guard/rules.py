@@ -14,8 +14,9 @@ then stops serving and hands the state back (``handing_back``) before the new le
 A server that cannot stop in order (a transfer of it may still read the pools), or whose
 runtime fails, leaves the group ``unusable``: it is never lent again by this service.
 
-Every legal move of a group is in :data:`TRANSITIONS`; anything else is a bug and raises
-:class:`IllegalTransition`. A refused claim changes nothing.
+Every legal move of a group is in the table :data:`GROUP` (:mod:`kvcr.statetable`);
+anything else is a bug and raises :class:`~kvcr.statetable.IllegalMove`. A refused claim
+changes nothing.
 """
 
 from __future__ import annotations
@@ -24,21 +25,46 @@ import attrs
 
 from kvcr.guard.pools import JOURNAL_BYTES
 from kvcr.guard.protocol import ClaimRequest, G3Description, GroupStatus
+from kvcr.statetable import StrEnum, Table
 from kvcr.store import journal
 
-# state -> {event: next state}
-TRANSITIONS: dict[str, dict[str, str]] = {
-    "idle": {"claim": "held", "takeover": "serving"},
-    "held": {"release": "idle", "holder_exit": "idle"},
-    "serving": {"claim": "handing_back", "stop": "idle", "unsafe": "unusable"},
-    "handing_back": {"handed_back": "held", "stop": "idle", "unsafe": "unusable"},
-    "unusable": {},
-}
-CLAIMABLE = ("idle", "serving")
+
+class GroupState(StrEnum):
+    """A group's state; the value is what ``GroupStatus.state`` says on the wire
+    (``protocol.GROUP_STATES``, in this order)."""
+
+    IDLE = "idle"
+    HELD = "held"
+    SERVING = "serving"
+    HANDING_BACK = "handing_back"
+    UNUSABLE = "unusable"
 
 
-class IllegalTransition(RuntimeError):
-    """A group was asked to make a move that TRANSITIONS does not allow."""
+class GroupEvent(StrEnum):
+    """What happens to a group: a claim, its holder's release or exit, the service's own
+    moves (takeover, stop, unsafe, handed back)."""
+
+    CLAIM = "claim"
+    TAKEOVER = "takeover"
+    RELEASE = "release"
+    HOLDER_EXIT = "holder_exit"
+    STOP = "stop"
+    UNSAFE = "unsafe"
+    HANDED_BACK = "handed_back"
+
+
+_S, _E = GroupState, GroupEvent
+GROUP: Table[GroupState, GroupEvent] = Table(
+    "guard group",
+    {
+        _S.IDLE: {_E.CLAIM: _S.HELD, _E.TAKEOVER: _S.SERVING},
+        _S.HELD: {_E.RELEASE: _S.IDLE, _E.HOLDER_EXIT: _S.IDLE},
+        _S.SERVING: {_E.CLAIM: _S.HANDING_BACK, _E.STOP: _S.IDLE, _E.UNSAFE: _S.UNUSABLE},
+        _S.HANDING_BACK: {_E.HANDED_BACK: _S.HELD, _E.STOP: _S.IDLE, _E.UNSAFE: _S.UNUSABLE},
+        _S.UNUSABLE: {},
+    },
+)
+CLAIMABLE = frozenset({GroupState.IDLE, GroupState.SERVING})
 
 
 @attrs.frozen
@@ -70,19 +96,14 @@ class Lease:
 class Group:
     index: int
     pool_sizes: tuple[int, ...]
-    state: str = "idle"
+    state: GroupState = GroupState.IDLE
     terms: Terms | None = None
     control_port: int | None = None  # the bound port of the group's listener, once bound
     lease: Lease | None = None
     unusable_reason: str | None = None
 
-    def move(self, event: str) -> None:
-        try:
-            self.state = TRANSITIONS[self.state][event]
-        except KeyError:
-            raise IllegalTransition(
-                f"guard group {self.index}: can't handle event {event!r} in state {self.state!r}"
-            ) from None
+    def move(self, event: GroupEvent) -> None:
+        self.state = GROUP.move(self.state, event, str(self.index))
 
 
 def _same_control(
@@ -132,7 +153,7 @@ class Groups:
                 f"indices 0..{len(self.groups) - 1}",
             )
         group = self.groups[request.guard_index]
-        if group.state == "unusable":
+        if group.state is GroupState.UNUSABLE:
             return Refusal(
                 "held",
                 f"{what}: the group cannot be lent again ({group.unusable_reason}); restart "
@@ -223,7 +244,8 @@ class Groups:
         """Lend the group (check_claim returned None, and a serving group was handed back
         first); ``control_port`` is its bound listener."""
         group = self.groups[request.guard_index]
-        group.move("handed_back" if group.state == "handing_back" else "claim")
+        handing_back = group.state is GroupState.HANDING_BACK
+        group.move(GroupEvent.HANDED_BACK if handing_back else GroupEvent.CLAIM)
         if group.terms is None:
             group.terms = Terms(
                 layouts=tuple(request.pool_layouts),
@@ -237,7 +259,7 @@ class Groups:
         self._next_lease += 1
         return group.lease
 
-    def move(self, index: int, event: str) -> None:
+    def move(self, index: int, event: GroupEvent) -> None:
         """A move the service makes itself: ``takeover``, ``claim`` of a serving group (it
         is being handed back), ``stop``."""
         self.groups[index].move(event)
@@ -245,7 +267,7 @@ class Groups:
     def mark_unusable(self, index: int, reason: str) -> None:
         """The group's server could not stop in order (or failed): never lend it again."""
         group = self.groups[index]
-        group.move("unsafe")
+        group.move(GroupEvent.UNSAFE)
         group.unusable_reason = reason
 
     def check_release(self, index: int, lease: int, peer_pid: int) -> Refusal | None:
@@ -261,8 +283,8 @@ class Groups:
             )
         return None
 
-    def end_lease(self, index: int, lease: int, event: str) -> bool:
-        """End ``lease`` by ``event`` ("release" or "holder_exit"); False if it already ended
+    def end_lease(self, index: int, lease: int, event: GroupEvent) -> bool:
+        """End ``lease`` by ``event`` (``RELEASE`` or ``HOLDER_EXIT``); False if it already ended
         (a release and the holder's exit can race: the first one wins)."""
         group = self.groups[index]
         if group.lease is None or group.lease.number != lease:
@@ -275,7 +297,7 @@ class Groups:
         return [
             GroupStatus(
                 index=g.index,
-                state=g.state,
+                state=g.state.value,  # the wire's plain string
                 holder_pid=g.lease.pid if g.lease else None,
                 layouts=list(g.terms.layouts) if g.terms else [],
                 control_port=g.control_port,

@@ -26,10 +26,10 @@ from kvcr.config import KVCRBackendConfigs, KVCRConfig, LocalDramOptions, Remote
 from kvcr.control_channels import ZmqPeerControlChannel
 from kvcr.guard.pools import GroupMapping
 from kvcr.guard.rules import Terms
-from kvcr.instance import nixl_factory
 from kvcr.runtime.build import Journal, build
 from kvcr.runtime.memory import MemoryMap
 from kvcr.runtime.mirror import Followed
+from kvcr.transport.factory import nixl_factory
 
 _WILDCARDS = {"", "0.0.0.0", "::", "*"}
 _instances = itertools.count(1)

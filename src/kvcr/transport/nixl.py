@@ -1,11 +1,10 @@
-"""NIXL transport for peers, with native copies in the process (G3 files: nixl_files.py;
-nixl is imported only there and here).
+"""NIXL transport for peers, with native copies in the process (the agent, its memory and
+its peers: nixl_agent.py, the only module that imports nixl; G3 files: nixl_files.py).
 
-The agent runs without NIXL's progress thread (it spins a full core per agent, see
-nixl-on-cpu.md); the runtime polls transfers instead, often while any is in flight and not
-at all when idle. Local copies do not go through NIXL: a loopback transfer is CMA, which
-pins and walks every page (on 4 KiB pages, ~0.5x memcpy); they are ``memmove``\\ s on copy
-threads (copier.py), polled like any transfer.
+The agent runs without NIXL's progress thread; the runtime polls transfers instead, often
+while any is in flight and not at all when idle. Local copies do not go through NIXL: a
+loopback transfer is CMA, which pins and walks every page (on 4 KiB pages, ~0.5x memcpy);
+they are ``memmove``\\ s on copy threads (copier.py), polled like any transfer.
 
 Peer writes (destination-initiated, the source writes): the destination hands its
 ``metadata()`` to the source over the control channel; the source ``add_peer``\\ s it and
@@ -49,7 +48,6 @@ Between hosts UCX moves the data over TCP, and a write does not end when the lin
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -57,77 +55,13 @@ import numpy as np
 
 from kvcr.transport.base import Segment, TransportError, XferState
 from kvcr.transport.copier import Copier, CopyJob, copy_threads
+from kvcr.transport.nixl_agent import STATES, NixlAgent, explain, tcp_user_timeout
 
-try:
-    from nixl_cu13._api import nixl_agent, nixl_agent_config
-except ImportError:  # the meta package's shim, where it is installed instead
-    # no-redef: the same two names, bound by whichever package is installed.
-    from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[no-redef]
-
-_STATES = {"DONE": XferState.DONE, "PROC": XferState.PROC, "ERR": XferState.ERR}
-
-# NIXL raises one exception class per status code and says nothing else ("NIXL_ERR_...").
-_REASONS = {
-    "nixlNotFoundError": "not found (a destination range outside the peer's registered "
-    "memory, or an unknown peer)",
-    "nixlInvalidParamError": "invalid parameter (descriptor sizes or indices)",
-    "nixlRemoteDisconnectError": "the peer disconnected (its process is gone, or the link "
-    "to it was down past the TCP user timeout)",
-    "nixlNotAllowedError": "not allowed",
-    "nixlBackendError": "backend error",
-}
-
-# get_agent_metadata() starts with the serialized agent name: the tag, a little-endian
-# 8-byte length, the name, "|". add_peer needs the name before loading the metadata, to
-# replace the metadata of a restarted peer (NIXL refuses to load it over the old one).
-_MD_PREFIX = b"nixlSerDes|Agent"
-
-
-USER_TIMEOUT_ENV = "UCX_TCP_USER_TIMEOUT"
 _DISCONNECT = "nixlRemoteDisconnectError"
 
 
 class _Disconnected(TransportError):
     """NIXL refused to post a write: the peer's connection is broken."""
-
-
-def tcp_user_timeout(timeout_ms: int) -> tuple[str, str]:
-    """Give this process's UCX a TCP user timeout of ``timeout_ms`` unless the environment
-    already names one (the operator's, or an earlier agent's: UCX reads it when an agent
-    starts, so it is one value per process). Returns the value in force and who set it."""
-    current = os.environ.get(USER_TIMEOUT_ENV)
-    if current is not None:
-        return current, "environment"
-    value = f"{int(timeout_ms)}ms"
-    os.environ[USER_TIMEOUT_ENV] = value
-    return value, "kvcr"
-
-
-def _ucx_settings() -> str:
-    """The UCX settings a failed start most often comes from, as set here."""
-    named = [f"{k}={os.environ[k]!r}" for k in ("UCX_NET_DEVICES", "UCX_TLS") if k in os.environ]
-    where = f" ({', '.join(named)})" if named else ""
-    return f"; check that UCX_NET_DEVICES names this host's interfaces{where}"
-
-
-def _reason(exc: BaseException) -> str:
-    name = type(exc).__name__
-    return f"{_REASONS.get(name, name)} [{exc}]"
-
-
-def metadata_agent_name(metadata: bytes) -> str:
-    """The agent name in NIXL agent metadata; TransportError if it is not metadata."""
-    start = len(_MD_PREFIX) + 8
-    if not isinstance(metadata, bytes) or not metadata.startswith(_MD_PREFIX):
-        raise TransportError("peer metadata is not NIXL agent metadata")
-    size = int.from_bytes(metadata[len(_MD_PREFIX) : start], "little")
-    raw = metadata[start : start + size]
-    if not 0 < size <= 256 or len(raw) != size or metadata[start + size : start + size + 1] != b"|":
-        raise TransportError("peer metadata is not NIXL agent metadata (bad agent name)")
-    try:
-        return raw.decode()
-    except UnicodeDecodeError:
-        raise TransportError("peer metadata is not NIXL agent metadata (bad agent name)") from None
 
 
 class NixlXfer:
@@ -165,63 +99,14 @@ class NixlTransport:
         if user_timeout_ms is not None:
             self.user_timeout = tcp_user_timeout(user_timeout_ms)
         self._copier = Copier(agent_name, copy_threads() if copiers is None else copiers)
-        self._agent: Any = nixl_agent(
-            agent_name, nixl_agent_config(enable_prog_thread=False, backends=[])
-        )
-        try:
-            self._agent.create_backend(backend, {})
-        except Exception as exc:
-            raise TransportError(
-                f"NIXL agent {agent_name!r}: backend {backend!r} failed to start: {exc}"
-                f"{_ucx_settings()}"
-            ) from exc
-        self._registrations: list[Any] = []
-        self._local: Any = None
-        self._opened: list[Segment] | None = None  # what open_local registered
-        self._count = 0
-        self._sizes: np.ndarray = np.zeros(0, dtype=np.int64)
-        self._peers: dict[str, bytes] = {}  # agent name -> the metadata loaded for it
-        self._broken: set[str] = set()  # peers a transfer failed to: loaded again before use
+        self._agent = NixlAgent(agent_name, backend)
         self._notifs: list[tuple[str, bytes]] = []  # drained by progress(), not yet handed out
 
     def open_local(self, segments: Sequence[Segment]) -> None:
         """Register ``segments`` and prepare a descriptor per element. Again with the same
         segments, nothing (a transport opened ahead of its runtime, the guard's standby)."""
-        if self._opened is not None:
-            if list(segments) != self._opened:
-                raise TransportError(
-                    f"NIXL agent {self.agent_name!r}: opened over other memory already"
-                )
-            return
-        self._opened = list(segments)
-        if not segments:
-            return  # nothing of ours to move: peers may still be served nothing
-        for seg in segments:
-            try:
-                reg = self._agent.register_memory([(seg.addr, seg.span, 0, seg.name)], "DRAM")
-            except Exception as exc:
-                raise TransportError(
-                    f"NIXL agent {self.agent_name!r}: registering {seg.name!r} "
-                    f"({seg.span} bytes at {seg.addr:#x}) failed: {exc}"
-                ) from exc
-            self._registrations.append(reg)
-        descs = np.concatenate(
-            [
-                np.stack(
-                    [
-                        seg.addr + np.arange(seg.count, dtype=np.int64) * seg.pitch,
-                        np.full(seg.count, seg.element_size, dtype=np.int64),
-                        np.zeros(seg.count, dtype=np.int64),
-                    ],
-                    axis=1,
-                )
-                for seg in segments
-            ]
-        )
-        self._count = len(descs)
-        self._sizes = descs[:, 1].copy()
-        self._local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, "DRAM")
-        self._copier.open(segments)
+        if self._agent.open_local(segments):
+            self._copier.open(segments)
 
     def post_local_read(self, dst: Sequence[int], src: Sequence[int], what: str) -> CopyJob:
         """A copy inside this process: native, on the copy threads (see copier.py)."""
@@ -237,12 +122,7 @@ class NixlTransport:
         """This agent's NIXL metadata for a peer's ``add_peer`` (~0.3 KiB + ~0.1 KiB per
         registered segment). Take it after ``open_local``: it describes only the memory
         registered when it is taken."""
-        try:
-            return bytes(self._agent.get_agent_metadata())
-        except Exception as exc:
-            raise TransportError(
-                f"NIXL agent {self.agent_name!r}: no metadata: {_reason(exc)}"
-            ) from exc
+        return self._agent.metadata()
 
     def add_peer(self, metadata: bytes) -> str:
         """Load a peer's metadata so that ``post_write`` can target it; returns its agent name.
@@ -254,67 +134,12 @@ class NixlTransport:
         The connection to the peer is opened here (``make_connection``), while the peer is
         being greeted, so that its first transfer does not pay the one-time setup (10-20 ms
         warm, much more on a machine that just booted) inside an operation's deadline."""
-        name = metadata_agent_name(metadata)
-        if name == self.agent_name:
-            raise TransportError(f"add_peer: the metadata is this agent's own ({name!r})")
-        if self._peers.get(name) == metadata and name not in self._broken:
-            return name
-        if name in self._peers:
-            self.remove_peer(name)
-        try:
-            loaded = self._agent.add_remote_agent(metadata)
-        except Exception as exc:
-            unreachable = (
-                " (UCX finds no way to its addresses: check UCX_NET_DEVICES and UCX_TLS "
-                "on both hosts)"
-                if type(exc).__name__ == "nixlBackendError"
-                else ""
-            )
-            raise TransportError(
-                f"add_peer: NIXL refused the metadata of peer {name!r}: {_reason(exc)}{unreachable}"
-            ) from exc
-        loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
-        if loaded != name:  # the metadata format moved under us: fail loudly, not silently
-            self._agent.remove_remote_agent(loaded)
-            raise TransportError(
-                f"add_peer: metadata names {name!r} but NIXL loaded it as {loaded!r}"
-            )
-        try:
-            self._agent.make_connection(name)
-        except Exception as exc:
-            self._agent.remove_remote_agent(name)
-            raise TransportError(
-                f"add_peer: NIXL could not connect to peer {name!r}: {_reason(exc)}"
-            ) from exc
-        self._peers[name] = metadata
-        return name
+        return self._agent.add_peer(metadata)
 
     def remove_peer(self, agent: str) -> None:
         """Forget a peer (unknown names are ignored). Transfers still in flight to it end:
         their ``poll`` raises TransportError; release them as usual."""
-        self._broken.discard(agent)
-        if self._peers.pop(agent, None) is None:
-            return
-        try:
-            self._agent.remove_remote_agent(agent)
-        except Exception as exc:
-            raise TransportError(f"remove_peer {agent!r}: {_reason(exc)}") from exc
-
-    def _reload(self, peer: str, what: str) -> None:
-        """Load a peer again after a failed transfer: NIXL keeps it disconnected until then.
-        Until this succeeds (the link may still be down) it stays known and broken, and the
-        next write tries again."""
-        with contextlib.suppress(Exception):  # not loaded any more is fine
-            self._agent.remove_remote_agent(peer)
-        try:
-            self._agent.add_remote_agent(self._peers[peer])
-            self._agent.make_connection(peer)
-        except Exception as exc:
-            raise TransportError(
-                f"{what}: peer {peer!r} is disconnected, and loading it again failed: "
-                f"{_reason(exc)}"
-            ) from exc
-        self._broken.discard(peer)
+        self._agent.remove_peer(agent)
 
     def post_write(
         self,
@@ -327,10 +152,9 @@ class NixlTransport:
         """One WRITE: local descriptor ``src[i]`` to the peer's ``dst[i] = (addr, nbytes)``;
         ``nbytes`` must be that descriptor's size. The peer gets ``notif`` from
         ``notifications()`` after all the data. Returns a handle for ``poll``/``release``."""
-        if peer not in self._peers:
+        if not self._agent.knows(peer):
             raise TransportError(f"{what}: peer {peer!r} is not known (no add_peer)")
-        if peer in self._broken:
-            self._reload(peer, what)
+        self._agent.reconnect(peer, what)  # loaded again first if a transfer to it failed
         if len(src) != len(dst) or not src:
             raise TransportError(
                 f"{what}: {len(src)} source descriptors for {len(dst)} destinations "
@@ -343,13 +167,13 @@ class NixlTransport:
             raise TransportError(
                 f"{what}: malformed descriptors for peer {peer!r}: {exc}"
             ) from None
-        bad = (index < 0) | (index >= self._count)
+        bad = (index < 0) | (index >= self._agent.count)
         if bad.any():
             raise TransportError(
                 f"{what}: source descriptor {int(index[bad][0])} out of range "
-                f"(0..{self._count - 1}) for peer {peer!r}"
+                f"(0..{self._agent.count - 1}) for peer {peer!r}"
             )
-        sizes = self._sizes[index]
+        sizes = self._agent.sizes[index]
         wrong = np.flatnonzero((sizes != pairs[:, 1]) | (pairs[:, 0] <= 0))
         if wrong.size:
             i = int(wrong[0])
@@ -365,23 +189,23 @@ class NixlTransport:
             # Refused at post, so nothing of it moved: the connection went bad since the
             # last write (a link failure seen from the other direction, say). Load the peer
             # again and post once more, on fresh prepared lists.
-            self._broken.add(peer)
-            self._reload(peer, what)
+            self._agent.mark_broken(peer)
+            self._agent.reconnect(peer, what)
             return self._write(index, remote_descs, peer, notif, what)
 
     def _write(
         self, index: np.ndarray, remote_descs: np.ndarray, peer: str, notif: bytes, what: str
     ) -> NixlXfer:
         try:
-            remote = self._agent.prep_xfer_dlist(peer, remote_descs, "DRAM")
+            remote = self._agent.native.prep_xfer_dlist(peer, remote_descs, "DRAM")
         except Exception as exc:
             raise TransportError(
-                f"{what}: NIXL refused the destination at peer {peer!r}: {_reason(exc)}"
+                f"{what}: NIXL refused the destination at peer {peer!r}: {explain(exc)}"
             ) from exc
         try:
-            handle = self._agent.make_prepped_xfer(
+            handle = self._agent.native.make_prepped_xfer(
                 "WRITE",
-                self._local,
+                self._agent.local,
                 index.astype(np.int32),
                 remote,
                 np.arange(len(remote_descs), dtype=np.int32),
@@ -390,7 +214,7 @@ class NixlTransport:
         except Exception as exc:
             remote.release()
             raise TransportError(
-                f"{what}: NIXL refused the write to peer {peer!r}: {_reason(exc)}"
+                f"{what}: NIXL refused the write to peer {peer!r}: {explain(exc)}"
             ) from exc
         return self._post(NixlXfer(handle, what, peer, remote))
 
@@ -405,10 +229,10 @@ class NixlTransport:
         """Call into NIXL (connection setup, peers' writes into this agent) without handing
         out notifications: they are kept for the next ``notifications()``."""
         try:
-            new = self._agent.get_new_notifs()
+            new = self._agent.native.get_new_notifs()
         except Exception as exc:
             raise TransportError(
-                f"NIXL agent {self.agent_name!r}: reading notifications failed: {_reason(exc)}"
+                f"NIXL agent {self.agent_name!r}: reading notifications failed: {explain(exc)}"
             ) from exc
         for sender, messages in new.items():
             name = sender.decode() if isinstance(sender, bytes) else str(sender)
@@ -418,7 +242,7 @@ class NixlTransport:
 
     def _post(self, xfer: NixlXfer) -> NixlXfer:
         try:
-            state = self._agent.transfer(xfer.handle)
+            state = self._agent.native.transfer(xfer.handle)
         except Exception as exc:
             self._drop(xfer)
             failed = _Disconnected if type(exc).__name__ == _DISCONNECT else TransportError
@@ -438,7 +262,7 @@ class NixlTransport:
         if xfer.done:  # every call into NIXL is a GIL hand-over (~15 µs next to a busy engine)
             return XferState.DONE
         try:
-            state = _STATES[self._agent.check_xfer_state(xfer.handle)]
+            state = STATES[self._agent.native.check_xfer_state(xfer.handle)]
         except Exception as exc:
             self._ended(xfer, failed=True)
             raise TransportError(self._failed(xfer, "the transfer failed", exc)) from exc
@@ -451,8 +275,8 @@ class NixlTransport:
         the next write to it."""
         xfer.over = True
         xfer.done = not failed  # a failed one keeps answering its failure when polled
-        if failed and xfer.peer is not None and xfer.peer in self._peers:
-            self._broken.add(xfer.peer)
+        if failed and xfer.peer is not None:
+            self._agent.mark_broken(xfer.peer)
 
     def release(self, xfer: NixlXfer | CopyJob) -> None:
         """Free the handle of a terminal transfer, or cancel a local copy still in flight.
@@ -469,7 +293,7 @@ class NixlTransport:
                 self._failed(xfer, "still in flight; a peer write is never cancelled")
             )
         try:
-            self._agent.release_xfer_handle(xfer.handle)
+            self._agent.native.release_xfer_handle(xfer.handle)
         except Exception as exc:
             raise TransportError(self._failed(xfer, "NIXL could not release it", exc)) from exc
         if xfer.remote is not None:
@@ -478,7 +302,7 @@ class NixlTransport:
 
     def _in_flight(self, xfer: NixlXfer) -> bool:
         try:
-            return bool(self._agent.check_xfer_state(xfer.handle) == "PROC")
+            return bool(self._agent.native.check_xfer_state(xfer.handle) == "PROC")
         except Exception:  # it failed: over
             return False
 
@@ -490,17 +314,9 @@ class NixlTransport:
     @staticmethod
     def _failed(xfer: NixlXfer, what_happened: str, exc: BaseException | None = None) -> str:
         where = "" if xfer.peer is None else f" to peer {xfer.peer!r}"
-        reason = "" if exc is None else f": {_reason(exc)}"
+        reason = "" if exc is None else f": {explain(exc)}"
         return f"{xfer.what}{where}: {what_happened}{reason}"
 
     def close(self) -> None:
         self._copier.close()
-        for agent in list(self._peers):
-            with contextlib.suppress(TransportError):
-                self.remove_peer(agent)
-        if self._local is not None:
-            self._local.release()
-        self._local = None
-        while self._registrations:
-            self._agent.deregister_memory(self._registrations.pop())
-        self._agent = None
+        self._agent.close()

@@ -21,14 +21,7 @@ from typing import Any
 import numpy as np
 
 from kvcr.transport.base import Segment, TransportError, XferState
-
-try:
-    from nixl_cu13._api import nixl_agent, nixl_agent_config
-except ImportError:  # the meta package's shim, where it is installed instead
-    # no-redef: the same two names, bound by whichever package is installed.
-    from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[no-redef]
-
-_STATES = {"DONE": XferState.DONE, "PROC": XferState.PROC, "ERR": XferState.ERR}
+from kvcr.transport.nixl_agent import STATES, nixl_agent, nixl_agent_config
 
 
 class NixlFileTransport:
@@ -86,7 +79,7 @@ class NixlFileTransport:
 
     def poll(self, xfer: Any) -> XferState:
         try:
-            return _STATES[self._agent.check_xfer_state(xfer)]
+            return STATES[self._agent.check_xfer_state(xfer)]
         except Exception as exc:
             raise TransportError(f"G3 transfer failed: {exc}") from exc
 
