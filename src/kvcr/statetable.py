@@ -20,18 +20,6 @@ from typing import Generic, TypeVar
 
 import attrs
 
-
-class StrEnum(str, enum.Enum):
-    """A member that reads as its value wherever it is printed or sent (``enum.StrEnum``
-    arrived in Python 3.11; kvcr supports 3.10)."""
-
-    def __str__(self) -> str:
-        return str(self.value)
-
-    def __format__(self, spec: str) -> str:
-        return format(str(self.value), spec)
-
-
 S = TypeVar("S", bound=enum.Enum)
 E = TypeVar("E", bound=enum.Enum)
 
