@@ -71,7 +71,8 @@ class Guard:
         terms = self.groups[self.index].terms
         if terms is None:
             return DictState()
-        pools = slot_pools(group_memory(terms, self.mapping))
+        memory = group_memory(terms, self.mapping)
+        pools = slot_pools(memory.pool_names, memory.block_sizes, memory.pool_slots)
         return Replayed(BlockIndex(pools, **index_options(LRUPolicy())))
 
     async def control_listener(self, host: str, port: int) -> socket.socket:

@@ -22,7 +22,7 @@ import numpy as np
 import trio
 
 from kvcr.runtime.ops import DROPPED, FAILED, SUCCESS, Operation
-from kvcr.runtime.residency import Residency, fill_over, wait_filled
+from kvcr.runtime.residency import Residency
 from kvcr.runtime.transfers import Xfer
 from kvcr.store.index import Block, BlockState, Claim, Filling, Found
 from kvcr.telemetry import SCOPE_G3_DELIVER
@@ -59,7 +59,7 @@ class LocalG2(Residency):
             todo = []
             for key, block in waits:
                 if block.state is BlockState.FILLING and self.index.holds(block):
-                    await wait_filled(block)
+                    await self.fill_waiters.wait(block)
                 if not op.live(key):
                     continue
                 if self.index.holds(block) and block.state is BlockState.READY:
@@ -203,7 +203,7 @@ class LocalG2(Residency):
                     index.remove(block)
                     if op.live(block.key):
                         answers[block.key] = FAILED
-        index.fills_over(fill)
+        self.fill_waiters.over_many(fill)
         index.flush_journal()  # committed before the engine hears of it
         op.moved += len(done)
         if len(done):
@@ -228,7 +228,7 @@ class LocalG2(Residency):
             if block is None or not self.index.holds(block):
                 continue
             self.index.detach(block)
-            fill_over(block)
+            self.fill_waiters.over(block)
 
     # -- deliver ---------------------------------------------------------------------------
 
@@ -360,7 +360,7 @@ class LocalG2(Residency):
                 op.filling.pop(block.key, None)
                 if not self.index.holds(block):  # withdrawn meanwhile; the read is over
                     self.index.release_slots(block)
-                    fill_over(block)
+                    self.fill_waiters.over(block)
             answers = self.commit_fetched(op, blocks, got, CacheTier.G3)
             if len(got) < len(live):
                 op.failure = op.failure or "fetch: some G3 blocks could not be read back"
@@ -391,7 +391,7 @@ class LocalG2(Residency):
                 self.index.remove(block)  # the fill is over: nothing writes these slots
                 if op.live(block.key):
                     answers[block.key] = FAILED
-            fill_over(block)
+            self.fill_waiters.over(block)
         self.index.flush_journal()
         if added:
             self.callbacks.inventory(InventoryEvent(tuple(added), CacheTier.LOCAL_G2, False))

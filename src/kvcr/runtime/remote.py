@@ -20,7 +20,6 @@ from kvcr.runtime.local import LocalG2
 from kvcr.runtime.ops import DROPPED, FAILED, SUCCESS, Operation
 from kvcr.runtime.part import Part
 from kvcr.runtime.peers import Peers, RemotePull
-from kvcr.runtime.residency import fill_over
 from kvcr.store.index import BlockIndex
 from kvcr.transport.base import TransportError
 from kvcr.types import (
@@ -198,7 +197,7 @@ class Remote(Part):
                 for block in blocks:
                     if self.index.holds(block):
                         self.index.remove(block)
-                        fill_over(block)
+                        local.fill_waiters.over(block)
         for block in blocks:
             op.filling.pop(block.key, None)
         if pull is None:

@@ -20,7 +20,7 @@ from kvcr.policy import HOOKS as POLICY_HOOKS
 from kvcr.policy import KVCachePolicy
 from kvcr.runtime.part import Part
 from kvcr.runtime.transfers import Transfers
-from kvcr.store.index import Block, BlockIndex, BlockState, Claim
+from kvcr.store.index import Block, BlockIndex, BlockState, Claim, Filling
 from kvcr.transport.base import Transport
 from kvcr.types import (
     BlockKey,
@@ -64,12 +64,33 @@ def index_options(policy: KVCachePolicy) -> IndexOptions:
     return {"score_is_recency": "eviction_score" not in hooks, "policy_metadata": bool(hooks)}
 
 
-async def wait_filled(block: Block) -> None:
-    """Wait until ``block``'s fill is over, committed or not. The event is made only when
-    somebody waits: most fills have no waiter."""
-    if block.waiters is None:
-        block.waiters = trio.Event()
-    await block.waiters.wait()
+class FillWaiters:
+    """Who waits for a fill in progress: an event per record, keyed by (rec, generation) as
+    the index's views name it, made only when somebody waits (most fills have no waiter).
+    Owned here, not by the index: the store imports no trio."""
+
+    def __init__(self) -> None:
+        self._events: dict[tuple[int, int], trio.Event] = {}
+
+    async def wait(self, block: Block) -> None:
+        """Wait until ``block``'s fill is over, committed or not."""
+        event = self._events.get((block.rec, block.gen))
+        if event is None:
+            event = self._events[(block.rec, block.gen)] = trio.Event()
+        await event.wait()
+
+    def over(self, block: Block) -> None:
+        event = self._events.pop((block.rec, block.gen), None)
+        if event is not None:
+            event.set()
+
+    def over_many(self, fill: Filling) -> None:
+        """Wake whoever waits for the fill of one of ``fill``'s records (usually nobody)."""
+        if self._events:
+            for record in zip(fill.recs.tolist(), fill.gens.tolist()):
+                event = self._events.pop(record, None)
+                if event is not None:
+                    event.set()
 
 
 def claim(index: BlockIndex, block: Block, now: float | None = None) -> None:
@@ -89,12 +110,6 @@ def unclaim(
         index.rescore(block, score(block))
 
 
-def fill_over(block: Block) -> None:
-    if block.waiters is not None:
-        block.waiters.set()
-        block.waiters = None
-
-
 class Residency(Part):
     def __init__(
         self, context: Context, shared: Shared, index: BlockIndex, transfers: Transfers[Transport]
@@ -102,6 +117,7 @@ class Residency(Part):
         super().__init__(context, shared)
         self.index = index
         self.transfers = transfers
+        self.fill_waiters = FillWaiters()
         self.policy = policy = context.policy
         self.live_handles = shared.live_handles
         self.release_ids = context.release_ids
@@ -389,7 +405,7 @@ class Residency(Part):
         for key in self.index.filling(keys):
             block = self.index.get(key)
             if block is not None and block.state is BlockState.FILLING:
-                await wait_filled(block)
+                await self.fill_waiters.wait(block)
 
     # -- G3 --------------------------------------------------------------------------------
 

@@ -93,7 +93,8 @@ class Runtime(Part):
         self.g3_view = Published()  # the file tier's index for query, once it runs
         self.journal = journal  # the guard group's recovery journal, owned from here on
         self.mirror: Mirror | None = None
-        pools = slot_pools(self.memory)
+        memory = self.memory
+        pools = slot_pools(memory.pool_names, memory.block_sizes, memory.pool_slots)
         followed = journal.followed if journal is not None else None
         if followed is not None and [p.capacity for p in followed.index.pools] == [
             p.capacity for p in pools

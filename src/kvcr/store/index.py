@@ -29,18 +29,13 @@ import itertools
 import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from operator import itemgetter
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import Protocol, cast
 
 import numpy as np
 
 from kvcr.store.eviction import EvictionQueue
 from kvcr.store.keytable import KeyTable, Probe
 from kvcr.types import BlockKey, CacheTier, QueryStatus
-
-if TYPE_CHECKING:
-    import trio
-
-    from kvcr.runtime.memory import MemoryMap
 
 Answer = tuple[QueryStatus, CacheTier | None]
 HIT = (QueryStatus.HIT, CacheTier.LOCAL_G2)
@@ -219,17 +214,6 @@ class Block(tuple):  # (rec, gen, key, slots, number of its index)
         if self.live and self._index.positions is not None:
             self._index.positions[self.rec] = value
 
-    @property
-    def waiters(self) -> trio.Event | None:
-        return self._index.waiters.get((self.rec, self.gen))
-
-    @waiters.setter
-    def waiters(self, event: trio.Event | None) -> None:
-        if event is None:
-            self._index.waiters.pop((self.rec, self.gen), None)
-        else:
-            self._index.waiters[(self.rec, self.gen)] = event
-
 
 class JournalSink(Protocol):
     """Where committed residency changes go (the guard's recovery journal)."""
@@ -324,11 +308,12 @@ class Claim:
         return len(self.recs)
 
 
-def slot_pools(memory: MemoryMap) -> list[SlotPool]:
-    """A slot pool for each of ``memory``'s pools."""
+def slot_pools(
+    names: Sequence[str], block_sizes: Sequence[int], slot_counts: Sequence[int]
+) -> list[SlotPool]:
+    """A slot pool for each pool of a memory map: its name, block size and slot count."""
     return [
-        SlotPool(name, block, slots)
-        for name, block, slots in zip(memory.pool_names, memory.block_sizes, memory.pool_slots)
+        SlotPool(name, block, slots) for name, block, slots in zip(names, block_sizes, slot_counts)
     ]
 
 
@@ -375,7 +360,6 @@ class BlockIndex:
         self._score_is_recency = score_is_recency
         self.access_counts = array.array("I", bytes(4 * capacity)) if policy_metadata else None
         self.positions = array.array("i", [-1]) * capacity if policy_metadata else None
-        self.waiters: dict[tuple[int, int], trio.Event] = {}
         self.ready_count = 0
         # What query answers, by a record's flags.
         self._answers: list[Answer] = [MISS] * 8
@@ -623,14 +607,6 @@ class BlockIndex:
         """Views of records in the index."""
         keys = self.table.keys(recs)
         return [self._view(rec, BlockKey(key)) for rec, key in zip(recs.tolist(), keys)]
-
-    def fills_over(self, fill: Filling) -> None:
-        """Wake whoever waits for the fill of one of ``fill``'s records (usually nobody)."""
-        if self.waiters:
-            for record in zip(fill.recs.tolist(), fill.gens.tolist()):
-                event = self.waiters.pop(record, None)
-                if event is not None:
-                    event.set()
 
     def flush_journal(self) -> None:
         if self.journal is not None:
