@@ -26,8 +26,9 @@ from kvcr.guard.serving import CannotServe, GroupServer, Standby, group_memory
 from kvcr.policy import LRUPolicy
 from kvcr.runtime.mirror import Followed, Replayed
 from kvcr.runtime.residency import index_options
-from kvcr.store.index import BlockIndex, slot_pools
+from kvcr.store.index import BlockIndex
 from kvcr.store.journal import DictState, Follower, Replay, State
+from kvcr.store.slots import slot_pools
 
 CONTROL_BACKLOG = 128
 FOLLOW_INTERVAL_S = 0.5

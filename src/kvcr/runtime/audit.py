@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 from typing import TYPE_CHECKING
 
-from kvcr.store.index import BlockState
+from kvcr.store.records import BlockState
 
 if TYPE_CHECKING:
     from kvcr.runtime.runtime import Runtime

@@ -24,7 +24,8 @@ import trio
 from kvcr.runtime.ops import DROPPED, FAILED, SUCCESS, Operation
 from kvcr.runtime.residency import Residency
 from kvcr.runtime.transfers import Xfer
-from kvcr.store.index import Block, BlockState, Claim, Filling, Found
+from kvcr.store.batches import Claim, Filling, Found
+from kvcr.store.records import Block, BlockState
 from kvcr.telemetry import SCOPE_G3_DELIVER
 from kvcr.transport.base import TransportError
 from kvcr.types import (

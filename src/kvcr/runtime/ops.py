@@ -26,7 +26,8 @@ from kvcr.types import BlockKey, MemoryRef, OpEntryResult, OpEntryStatus, OpResu
 
 if TYPE_CHECKING:
     from kvcr.runtime.peers import RemotePull
-    from kvcr.store.index import Block, Filling
+    from kvcr.store.batches import Filling
+    from kvcr.store.records import Block
 
 FAILED = OpEntryResult(OpEntryStatus.FAILED)
 DROPPED = OpEntryResult(OpEntryStatus.DROPPED)

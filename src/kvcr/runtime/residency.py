@@ -20,7 +20,9 @@ from kvcr.policy import HOOKS as POLICY_HOOKS
 from kvcr.policy import KVCachePolicy
 from kvcr.runtime.part import Part
 from kvcr.runtime.transfers import Transfers
-from kvcr.store.index import Block, BlockIndex, BlockState, Claim, Filling
+from kvcr.store.batches import Claim, Filling
+from kvcr.store.index import BlockIndex
+from kvcr.store.records import Block, BlockState
 from kvcr.transport.base import Transport
 from kvcr.types import (
     BlockKey,

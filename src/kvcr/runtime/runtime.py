@@ -58,7 +58,8 @@ from kvcr.runtime.remote import Remote
 from kvcr.runtime.residency import index_options
 from kvcr.runtime.source import Source
 from kvcr.runtime.transfers import Transfers, Xfer
-from kvcr.store.index import BlockIndex, Published, slot_pools
+from kvcr.store.index import BlockIndex, Published
+from kvcr.store.slots import slot_pools
 from kvcr.transport.base import Transport
 from kvcr.types import BlockKey, CacheTier, InventoryEvent, MemoryRef
 

@@ -35,7 +35,8 @@ from kvcr.runtime.ops import Deadlines
 from kvcr.runtime.part import Part
 from kvcr.runtime.pins import Pin, Pins
 from kvcr.runtime.transfers import Xfer
-from kvcr.store.index import Block, BlockIndex
+from kvcr.store.index import BlockIndex
+from kvcr.store.records import Block
 from kvcr.transport import messages as m
 from kvcr.transport.base import TransportError
 from kvcr.types import BlockKey, TransferError
