@@ -24,7 +24,9 @@ from kvcr.logs import get_logger
 from kvcr.runtime.mirror import recover
 from kvcr.store import journal
 from kvcr.store.index import BlockIndex
-from kvcr.store.journal import FRAME_HEAD, FRAME_MAGIC, Follower, Writer, read
+from kvcr.store.journal.format import FRAME_HEAD, FRAME_MAGIC
+from kvcr.store.journal.replay import Follower, read
+from kvcr.store.journal.writer import Writer
 from kvcr.store.slots import SlotPool
 
 SMALL = journal.DATA_START + 2 * 4096  # the smallest journal: compaction happens often

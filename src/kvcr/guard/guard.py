@@ -27,7 +27,7 @@ from kvcr.policy import LRUPolicy
 from kvcr.runtime.mirror import Followed, Replayed
 from kvcr.runtime.residency import index_options
 from kvcr.store.index import BlockIndex
-from kvcr.store.journal import DictState, Follower, Replay, State
+from kvcr.store.journal.replay import DictState, Follower, Replay, State
 from kvcr.store.slots import slot_pools
 
 CONTROL_BACKLOG = 128
