@@ -18,9 +18,10 @@ import trio
 
 from kvcr.policy import HOOKS as POLICY_HOOKS
 from kvcr.policy import KVCachePolicy
+from kvcr.runtime.fill_waiters import FillWaiters
 from kvcr.runtime.part import Part
 from kvcr.runtime.transfers import Transfers
-from kvcr.store.batches import Claim, Filling
+from kvcr.store.batches import Claim
 from kvcr.store.index import BlockIndex
 from kvcr.store.records import Block, BlockState
 from kvcr.transport.base import Transport
@@ -64,35 +65,6 @@ def index_options(policy: KVCachePolicy) -> IndexOptions:
     array for both), and only a policy's own hooks read access counts and positions."""
     hooks = custom_hooks(policy)
     return {"score_is_recency": "eviction_score" not in hooks, "policy_metadata": bool(hooks)}
-
-
-class FillWaiters:
-    """Who waits for a fill in progress: an event per record, keyed by (rec, generation) as
-    the index's views name it, made only when somebody waits (most fills have no waiter).
-    Owned here, not by the index: the store imports no trio."""
-
-    def __init__(self) -> None:
-        self._events: dict[tuple[int, int], trio.Event] = {}
-
-    async def wait(self, block: Block) -> None:
-        """Wait until ``block``'s fill is over, committed or not."""
-        event = self._events.get((block.rec, block.gen))
-        if event is None:
-            event = self._events[(block.rec, block.gen)] = trio.Event()
-        await event.wait()
-
-    def over(self, block: Block) -> None:
-        event = self._events.pop((block.rec, block.gen), None)
-        if event is not None:
-            event.set()
-
-    def over_many(self, fill: Filling) -> None:
-        """Wake whoever waits for the fill of one of ``fill``'s records (usually nobody)."""
-        if self._events:
-            for record in zip(fill.recs.tolist(), fill.gens.tolist()):
-                event = self._events.pop(record, None)
-                if event is not None:
-                    event.set()
 
 
 def claim(index: BlockIndex, block: Block, now: float | None = None) -> None:
