@@ -23,8 +23,11 @@ from hypothesis import strategies as st
 from kvcr.logs import get_logger
 from kvcr.runtime.mirror import recover
 from kvcr.store import journal
-from kvcr.store.index import BlockIndex, SlotPool
-from kvcr.store.journal import FRAME_HEAD, FRAME_MAGIC, Follower, Writer, read
+from kvcr.store.index import BlockIndex
+from kvcr.store.journal.format import FRAME_HEAD, FRAME_MAGIC
+from kvcr.store.journal.replay import Follower, read
+from kvcr.store.journal.writer import Writer
+from kvcr.store.slots import SlotPool
 
 SMALL = journal.DATA_START + 2 * 4096  # the smallest journal: compaction happens often
 LOG = get_logger("kvcr.test")

@@ -21,7 +21,8 @@ from kvcr.runtime.g3 import FETCHABLE_G3, G3Tier
 from kvcr.runtime.mirror import Mirror
 from kvcr.runtime.transfers import Transfers
 from kvcr.store import journal
-from kvcr.store.index import BlockIndex, SlotPool
+from kvcr.store.index import BlockIndex
+from kvcr.store.slots import SlotPool
 from kvcr.transport.base import Segment
 from kvcr.transport.nixl_files import NixlFileTransport
 

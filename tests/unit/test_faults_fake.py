@@ -37,7 +37,7 @@ import pytest
 import trio
 
 from engine_sim import EngineSim
-from kvcr.store.index import BlockState
+from kvcr.store.records import BlockState
 from kvcr.transport.fake import NEVER, Behavior, FakeTransport, Fault, FaultPlan
 from kvcr.types import BlockKey, OpEntryResult, OpEntryStatus, TransferError
 from peer_world import EnginePins, Worker, World, key

@@ -6,7 +6,9 @@ from __future__ import annotations
 from kvcr.logs import capture_events, get_logger
 from kvcr.runtime.mirror import Mirror, recover
 from kvcr.store import journal
-from kvcr.store.index import BlockIndex, BlockState, SlotPool
+from kvcr.store.index import BlockIndex
+from kvcr.store.records import BlockState
+from kvcr.store.slots import SlotPool
 
 SIZE = 64 * 1024
 LOG = get_logger("kvcr.test")

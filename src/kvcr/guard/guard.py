@@ -26,8 +26,9 @@ from kvcr.guard.serving import CannotServe, GroupServer, Standby, group_memory
 from kvcr.policy import LRUPolicy
 from kvcr.runtime.mirror import Followed, Replayed
 from kvcr.runtime.residency import index_options
-from kvcr.store.index import BlockIndex, slot_pools
-from kvcr.store.journal import DictState, Follower, Replay, State
+from kvcr.store.index import BlockIndex
+from kvcr.store.journal.replay import DictState, Follower, Replay, State
+from kvcr.store.slots import slot_pools
 
 CONTROL_BACKLOG = 128
 FOLLOW_INTERVAL_S = 0.5
@@ -71,7 +72,8 @@ class Guard:
         terms = self.groups[self.index].terms
         if terms is None:
             return DictState()
-        pools = slot_pools(group_memory(terms, self.mapping))
+        memory = group_memory(terms, self.mapping)
+        pools = slot_pools(memory.pool_names, memory.block_sizes, memory.pool_slots)
         return Replayed(BlockIndex(pools, **index_options(LRUPolicy())))
 
     async def control_listener(self, host: str, port: int) -> socket.socket:

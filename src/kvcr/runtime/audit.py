@@ -10,7 +10,8 @@ from kvcr.runtime.ops import Operation
 from kvcr.runtime.pins import Pins
 from kvcr.runtime.source import Source
 from kvcr.runtime.transfers import Transfers
-from kvcr.store.index import BlockIndex, BlockState
+from kvcr.store.index import BlockIndex
+from kvcr.store.records import BlockState
 from kvcr.transport.base import Transport
 
 

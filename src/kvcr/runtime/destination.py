@@ -23,7 +23,6 @@ from typing import Any, cast
 
 import trio
 
-from kvcr.runtime.claims import fill_over
 from kvcr.runtime.lifecycle import JobState, PullEvent, PullState, RemotePull
 from kvcr.runtime.links import Links
 from kvcr.runtime.local import LocalG2
@@ -138,7 +137,7 @@ class Destination:
                 for block in blocks:
                     if self.index.holds(block):
                         self.index.remove(block)
-                        fill_over(block)
+                        local.fill_waiters.over(block)
         for block in blocks:
             op.filling.pop(block.key, None)
         if pull is None:

@@ -34,7 +34,9 @@ from kvcr.g3.files import G3Files
 from kvcr.runtime.claims import claim, unclaim
 from kvcr.runtime.memory import MemoryMap
 from kvcr.runtime.transfers import Transfers, Xfer
-from kvcr.store.index import Block, BlockIndex, BlockState, Published, SlotPool
+from kvcr.store.index import BlockIndex, Published
+from kvcr.store.records import Block, BlockState
+from kvcr.store.slots import SlotPool
 from kvcr.telemetry import SCOPE_G3_FILL, SCOPE_G3_STORE, result_label
 from kvcr.transport.base import TransportError
 from kvcr.types import BlockKey, CacheTier, QueryStatus

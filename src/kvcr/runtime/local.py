@@ -21,11 +21,11 @@ from typing import Any
 import numpy as np
 import trio
 
-from kvcr.runtime.claims import fill_over, wait_filled
 from kvcr.runtime.ops import DROPPED, FAILED, SUCCESS, Operation
 from kvcr.runtime.residency import Residency
 from kvcr.runtime.transfers import Xfer
-from kvcr.store.index import Block, BlockState, Claim, Filling, Found
+from kvcr.store.batches import Claim, Filling, Found
+from kvcr.store.records import Block, BlockState
 from kvcr.telemetry import SCOPE_G3_DELIVER
 from kvcr.transport.base import TransportError
 from kvcr.types import (
@@ -60,7 +60,7 @@ class LocalG2(Residency):
             todo = []
             for key, block in waits:
                 if block.state is BlockState.FILLING and self.index.holds(block):
-                    await wait_filled(block)
+                    await self.fill_waiters.wait(block)
                 if not op.live(key):
                     continue
                 if self.index.holds(block) and block.state is BlockState.READY:
@@ -204,7 +204,7 @@ class LocalG2(Residency):
                     index.remove(block)
                     if op.live(block.key):
                         answers[block.key] = FAILED
-        index.fills_over(fill)
+        self.fill_waiters.over_many(fill)
         index.flush_journal()  # committed before the engine hears of it
         op.moved += len(done)
         if len(done):
@@ -229,7 +229,7 @@ class LocalG2(Residency):
             if block is None or not self.index.holds(block):
                 continue
             self.index.detach(block)
-            fill_over(block)
+            self.fill_waiters.over(block)
 
     # -- deliver ---------------------------------------------------------------------------
 
@@ -361,7 +361,7 @@ class LocalG2(Residency):
                 op.filling.pop(block.key, None)
                 if not self.index.holds(block):  # withdrawn meanwhile; the read is over
                     self.index.release_slots(block)
-                    fill_over(block)
+                    self.fill_waiters.over(block)
             answers = self.commit_fetched(op, blocks, got, CacheTier.G3)
             if len(got) < len(live):
                 op.failure = op.failure or "fetch: some G3 blocks could not be read back"
@@ -392,7 +392,7 @@ class LocalG2(Residency):
                 self.index.remove(block)  # the fill is over: nothing writes these slots
                 if op.live(block.key):
                     answers[block.key] = FAILED
-            fill_over(block)
+            self.fill_waiters.over(block)
         self.index.flush_journal()
         if added:
             self.callbacks.inventory(InventoryEvent(tuple(added), CacheTier.LOCAL_G2, False))

@@ -19,13 +19,16 @@ import trio
 from kvcr.config import KVCRConfig
 from kvcr.policy import HOOKS as POLICY_HOOKS
 from kvcr.policy import KVCachePolicy
-from kvcr.runtime.claims import claim, unclaim, wait_filled
+from kvcr.runtime.claims import claim, unclaim
 from kvcr.runtime.engine_calls import EngineCalls
+from kvcr.runtime.fill_waiters import FillWaiters
 from kvcr.runtime.g3 import G3Tier
 from kvcr.runtime.memory import MemoryMap
 from kvcr.runtime.ops import Outbox
 from kvcr.runtime.transfers import Transfers
-from kvcr.store.index import Block, BlockIndex, BlockState, Claim
+from kvcr.store.batches import Claim
+from kvcr.store.index import BlockIndex
+from kvcr.store.records import Block, BlockState
 from kvcr.transport.base import Transport
 from kvcr.types import (
     BlockKey,
@@ -83,6 +86,7 @@ class Residency:
     ) -> None:
         self.index = index
         self.transfers = transfers
+        self.fill_waiters = FillWaiters()
         self.policy = policy
         self.memory = memory
         self.config = config
@@ -374,7 +378,7 @@ class Residency:
         for key in self.index.filling(keys):
             block = self.index.get(key)
             if block is not None and block.state is BlockState.FILLING:
-                await wait_filled(block)
+                await self.fill_waiters.wait(block)
 
     # -- G3 --------------------------------------------------------------------------------
 

@@ -57,7 +57,8 @@ from kvcr.runtime.plane import Plane
 from kvcr.runtime.residency import index_options
 from kvcr.runtime.source import Source
 from kvcr.runtime.transfers import Transfers
-from kvcr.store.index import BlockIndex, Published, slot_pools
+from kvcr.store.index import BlockIndex, Published
+from kvcr.store.slots import slot_pools
 from kvcr.transport.base import Transport
 from kvcr.types import CacheTier, InventoryEvent
 
@@ -89,7 +90,8 @@ class Runtime:
         self.g3_view = Published()  # the file tier's index for query, once it runs
         self.journal = journal  # the guard group's recovery journal, owned from here on
         self.mirror: Mirror | None = None
-        pools = slot_pools(self.memory)
+        memory = self.memory
+        pools = slot_pools(memory.pool_names, memory.block_sizes, memory.pool_slots)
         followed = journal.followed if journal is not None else None
         if followed is not None and [p.capacity for p in followed.index.pools] == [
             p.capacity for p in pools

@@ -1,6 +1,40 @@
 """The pure cores: what a worker holds and how it is recorded, with no I/O of their own.
 
-The key table, the block index, eviction and the recovery journal. Nothing here imports
-trio, NIXL, the runtime or the guard: both of those import this package, and this package is
-where a compiled core plugs in (batches of keys and records in, batches out).
+Nothing here imports trio, NIXL, the runtime, the guard or the API (not even for type
+checking; ``tests/unit/store/test_store_imports.py`` checks it): both the runtime and the
+guard import this package, and this package is where a compiled core plugs in.
+
+Modules:
+
+- ``slots.py``: a pool's free slots (:class:`~kvcr.store.slots.SlotPool`);
+- ``records.py``: a block index's record arrays and the :class:`~kvcr.store.records.Block`
+  view over one record;
+- ``batches.py``: what batch calls hand back (``Found``, ``Filling``, ``Claim``);
+- ``index.py``: the block index (query answers, fills and commits, claims, eviction);
+- ``recovery.py``: what a journal replay does to the records, and a snapshot's read;
+- ``eviction.py``: the eviction queue (records by score);
+- ``keytable.py``: block keys -> records, over ``keyrows.py`` (a key's row, code and hash),
+  ``keyprobe.py`` (the entries and lookups) and ``keyplace.py`` (filing records);
+- ``journal/``: the recovery journal: ``format.py`` (bytes), ``replay.py`` (readers),
+  ``writer.py`` (the holder's writer, with compaction).
+
+The interface a compiled core keeps: batches in, batches out, as numpy arrays of records
+(``recs``), generations, flags and slots (n x pools), keys as a list of bytes or a journal
+batch's keys in place. The block index's batch calls the runtime and the guard use:
+
+- ``answers(keys)`` (``query``, from engine threads), ``lookup(keys)`` and
+  ``lookup_to_fill(keys)`` -> ``Found`` (recs, flags);
+- ``add_fills(keys, now, absent)`` -> ``Filling`` (keys, recs, gens, slots);
+  ``held(fill)`` -> mask; ``commit_fills(fill, scores)``;
+- ``claim_ready(found, now)`` -> ``Claim`` (recs, gens); ``unclaim_records(claim)`` -> recs;
+- ``align(keys, now)`` -> recs; ``requeue(recs, scores)``; ``slots_of(recs)``;
+  ``views(recs)``; ``evict(wanted)`` -> keys;
+- recovery: ``put_recovered(keys, slots)``, ``forget_recovered(keys)``,
+  ``queue_recovered(None)``, ``ready_records()`` -> (keys, slots flat).
+
+Under them the key table (``find_many``, ``probe``, ``add_many``, ``add_probed``,
+``add_rows``, ``remove_many``, ``keys``) and the eviction queue (``push_many``,
+``pop_many``, ``drop_many``, ``push_all``) take and give arrays too. The per-block calls
+(``get``, ``holds``, ``commit``, ``remove``, ``claim``, ``touch``, ...) take a ``Block`` view:
+the paths that hand blocks on (hooks, release handles) use them.
 """

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcr.store.keytable import MAX_WIDTH, KeyTable
+from kvcr.store.keyrows import MAX_WIDTH
+from kvcr.store.keytable import KeyTable
 
 
 def recs(*values: int) -> np.ndarray:

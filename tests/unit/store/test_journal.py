@@ -11,7 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcr.store import journal
-from kvcr.store.journal import PUT_G2, PUT_G3, Residency, Writer, read
+from kvcr.store.journal.format import PUT_G2, PUT_G3
+from kvcr.store.journal.replay import Residency, read
+from kvcr.store.journal.writer import Writer
 from kvcr.types import RecoveryMirrorError
 
 SIZE = 64 * 1024  # two halves of ~32 KiB

@@ -6,7 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcr.store.index import FETCHING, HIT, MISS, BlockIndex, BlockState, SlotPool
+from kvcr.store.index import FETCHING, HIT, MISS, BlockIndex
+from kvcr.store.records import BlockState
+from kvcr.store.slots import SlotPool
 
 
 def make_index(slots: int = 4, pools: int = 1) -> BlockIndex:
