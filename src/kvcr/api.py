@@ -96,8 +96,8 @@ class KVCR:
         self._moves = Untaken()
         self._live_handles = shared.live_handles
         self._engine = instance.engine
-        self._index: BlockIndex = instance.runtime.index
-        self._g3_view = instance.runtime.g3_view
+        self._index: BlockIndex = shared.g2_index
+        self._g3_view = shared.g3_view
         self._outbox = shared.outbox
         self._commands = shared.commands
         self._hints = HintBook()

@@ -22,13 +22,16 @@ import attrs
 
 from kvcr.bindings import NOTIFIED, KVCRBindings
 from kvcr.config import FrameworkControl, KVCRBackendConfigs, KVCRConfig, for_instance
-from kvcr.policy import G3LRUPolicy, LRUPolicy
+from kvcr.policy import G3LRUPolicy, KVCachePolicy, LRUPolicy
 from kvcr.runtime.context import Context, Journal, Shared
 from kvcr.runtime.engine_calls import EngineCalls, EngineSide
 from kvcr.runtime.inbox import Inbox
 from kvcr.runtime.memory import MemoryMap
 from kvcr.runtime.ops import Outbox
+from kvcr.runtime.residency import index_options
 from kvcr.runtime.runtime import Runtime
+from kvcr.store.index import BlockIndex, Published
+from kvcr.store.slots import slot_pools
 from kvcr.telemetry import Telemetry
 from kvcr.transport.auth import cluster_key_from_env
 from kvcr.transport.base import Transport
@@ -60,6 +63,22 @@ def resolve_policy(bindings: KVCRBindings | None, backend_configs: KVCRBackendCo
             "which this configuration does not have"
         )
     return policy
+
+
+def g2_index(
+    memory: MemoryMap, policy: KVCachePolicy, journal: Journal | None
+) -> tuple[BlockIndex, Journal | None]:
+    """Local G2's block index: the one the guard built by following the group's journal,
+    if its pools match ours, else an empty one (the journal is then replayed at start)."""
+    pools = slot_pools(memory.pool_names, memory.block_sizes, memory.pool_slots)
+    followed = journal.followed if journal is not None else None
+    if followed is not None and [p.capacity for p in followed.index.pools] == [
+        p.capacity for p in pools
+    ]:
+        return followed.index, journal
+    if journal is not None:
+        journal = attrs.evolve(journal, followed=None)
+    return BlockIndex(pools, **index_options(policy)), journal
 
 
 def build(
@@ -117,6 +136,7 @@ def build(
         log,
     )
     open_ops: dict[int, set[BlockKey]] = {}
+    index, journal = g2_index(memory, policy, journal)
     shared = Shared(
         commands=Inbox(),
         answers=Inbox(),
@@ -125,6 +145,8 @@ def build(
         open_ops=open_ops,
         live_handles=set(),
         telemetry=telemetry,
+        g2_index=index,
+        g3_view=Published(),
     )
     engine = None
     if bindings is not None:

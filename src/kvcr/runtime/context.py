@@ -22,6 +22,7 @@ from kvcr.runtime.inbox import Inbox
 from kvcr.runtime.memory import MemoryMap
 from kvcr.runtime.mirror import Followed
 from kvcr.runtime.ops import Outbox
+from kvcr.store.index import BlockIndex, Published
 from kvcr.telemetry import Telemetry
 from kvcr.types import BlockKey, CacheTier
 
@@ -60,6 +61,10 @@ class Shared:
     open_ops: dict[int, set[BlockKey]]
     live_handles: set[int]  # the runtime adds release handles; release() removes them
     telemetry: Telemetry  # the runtime appends samples; the engine thread applies them
+    # What query reads without a lock: local G2's index (the runtime writes it) and the file
+    # tier's, published once that tier runs (after the facade exists).
+    g2_index: BlockIndex
+    g3_view: Published
 
 
 @attrs.frozen(eq=False)

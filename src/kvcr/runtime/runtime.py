@@ -28,7 +28,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import attrs
 import trio
 
 from kvcr.config import InstanceG3Options
@@ -54,11 +53,8 @@ from kvcr.runtime.operations import Operations, Tiers
 from kvcr.runtime.peers import Peers
 from kvcr.runtime.pins import Pins
 from kvcr.runtime.plane import Plane
-from kvcr.runtime.residency import index_options
 from kvcr.runtime.source import Source
 from kvcr.runtime.transfers import Transfers
-from kvcr.store.index import BlockIndex, Published
-from kvcr.store.slots import slot_pools
 from kvcr.transport.base import Transport
 from kvcr.types import CacheTier, InventoryEvent
 
@@ -87,20 +83,10 @@ class Runtime:
         self.telemetry = shared.telemetry
         self.outbox = shared.outbox
         self.has_pools = has_pools
-        self.g3_view = Published()  # the file tier's index for query, once it runs
+        self.index = shared.g2_index
+        self.g3_view = shared.g3_view
         self.journal = journal  # the guard group's recovery journal, owned from here on
         self.mirror: Mirror | None = None
-        memory = self.memory
-        pools = slot_pools(memory.pool_names, memory.block_sizes, memory.pool_slots)
-        followed = journal.followed if journal is not None else None
-        if followed is not None and [p.capacity for p in followed.index.pools] == [
-            p.capacity for p in pools
-        ]:
-            self.index = followed.index
-        else:
-            if journal is not None:
-                self.journal = journal = attrs.evolve(journal, followed=None)
-            self.index = BlockIndex(pools, **index_options(context.policy))
         self._transport_factory = transport_factory
         self.transport: Transport | None = None
         self.transfers: Transfers[Transport] | None = None

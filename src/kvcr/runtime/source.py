@@ -11,7 +11,7 @@ declared over in a probe answer, so a duplicate, or a pull that arrives after th
 destination sent when it gave up on it, is dropped instead of writing into memory the
 destination may already have handed back.
 
-Deadlines (``ops.Deadlines``; the states are ``lifecycle.JOB``): a pull still waiting for
+Deadlines (``deadlines.Deadlines``; the states are ``lifecycle.JOB``): a pull still waiting for
 pins ``operation_timeout_ms`` after its arrival is dropped (``Over``). A write is timed
 from its posting: still running ``operation_timeout_ms`` later, it stalls this source,
 which refuses new pulls until it ends; still running at ``abandon_timeout_ms``, it is
