@@ -59,12 +59,18 @@ def test_adding_a_key_twice_is_refused() -> None:
         index.add_filling(b"a", now=0.0)
 
 
-def test_victims_come_lowest_score_first_and_skip_claimed_and_filling_blocks() -> None:
+def four_ready_a_claimed_e_filling() -> BlockIndex:
+    """Blocks a, b, c, d ready with scores 1-4; a claimed; e still filling."""
     index = make_index(slots=8)
     for name, score in [(b"c", 3.0), (b"a", 1.0), (b"b", 2.0), (b"d", 4.0)]:
         ready(index, name, score)
     index.get(b"a").claims = 1
     index.add_filling(b"e", now=0.0)
+    return index
+
+
+def test_victims_come_lowest_score_first_and_skip_claimed_and_filling_blocks() -> None:
+    index = four_ready_a_claimed_e_filling()
 
     order = [b.key for b in index.victims(lambda b: 0.0)]
 
@@ -102,11 +108,7 @@ def test_claimed_blocks_leave_the_queue_until_whoever_unclaims_requeues_them() -
 
 
 def test_evict_removes_the_lowest_scored_evictable_blocks_in_one_pass() -> None:
-    index = make_index(slots=8)
-    for name, score in [(b"c", 3.0), (b"a", 1.0), (b"b", 2.0), (b"d", 4.0)]:
-        ready(index, name, score)
-    index.get(b"a").claims = 1
-    index.add_filling(b"e", now=0.0)
+    index = four_ready_a_claimed_e_filling()
 
     evicted = index.evict(2)
 
