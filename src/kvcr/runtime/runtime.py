@@ -11,9 +11,10 @@ Task tree::
     serve                          until Close, or until its caller cancels it
     └── (shielded body)
         ├── transfers.run          polls in-flight transfers, idle when none
-        ├── pins.run, peers.run    engine pins; the peer control plane (if enabled)
+        ├── pins.run               engine pins
+        ├── plane.run              the peer plane's receive and progress loops (if enabled)
+        ├── abandonment watchers   what a failed operation left in flight, until it ends
         └── ops nursery            one task per operation (``operations.py``)
-            └── abandonment watchers   log transfers still running past abandon_timeout_ms
 
 Shutdown, on Close or on cancellation alike, cancels the operations (their pending entries
 fail with "closed"), then waits up to ``abandon_timeout_ms`` for in-flight transfers to end.
