@@ -64,10 +64,6 @@ class Destination:
         self.unconfirmed = Unconfirmed(log)
         self._reqs = itertools.count(1)
 
-    def due(self) -> float:
-        """When the latest pull in flight should have landed (0.0: none)."""
-        return max((p.due for p in self.links.pulls()), default=0.0)
-
     # -- the engine's operations -------------------------------------------------------------
 
     async def deliver(

@@ -15,7 +15,7 @@ from typing import Any
 import trio
 
 from kvcr.config import KVCRConfig
-from kvcr.runtime.lifecycle import Link, PullEvent, RemotePull
+from kvcr.runtime.lifecycle import Link, PullEvent
 from kvcr.runtime.ops import Operation
 from kvcr.runtime.plane import Plane
 from kvcr.telemetry import Telemetry
@@ -43,11 +43,18 @@ class Links:
     def get(self, endpoint: str) -> Link | None:
         return self.links.get(endpoint)
 
-    def pulls(self) -> list[RemotePull]:
-        # list() copies in one step: get_stats calls this from an engine thread.
-        return [p for link in list(self.links.values()) for p in list(link.pulls.values())]
+    def busy(self) -> bool:
+        """A pull is in flight (the progress loop's question, on the runtime's thread)."""
+        return any(link.pulls for link in self.links.values())
+
+    def latest_due(self) -> float:
+        """When the latest pull in flight should have landed (0.0: none)."""
+        return max(
+            (p.due for link in self.links.values() for p in link.pulls.values()), default=0.0
+        )
 
     def pulls_in_flight(self) -> int:
+        # list() copies in one step: get_stats calls this from an engine thread.
         return sum(len(link.pulls) for link in list(self.links.values()))
 
     def ready_count(self) -> int:

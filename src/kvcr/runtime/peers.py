@@ -96,9 +96,9 @@ class Peers:
                 m.Confirm: source.on_confirm,
             },
             on_written=destination.on_written,
-            busy=lambda: bool(links.pulls_in_flight()) or source.writing,
+            busy=lambda: links.busy() or source.writing,
             connected=lambda: bool(links.links or source.agents_by_incarnation),
-            due=destination.due,
+            due=links.latest_due,
         )
 
     def gauges(self) -> dict[str, Any]:
