@@ -31,7 +31,6 @@ import trio
 
 from kvcr.config import G3Options
 from kvcr.g3.files import G3Files
-from kvcr.runtime.claims import claim, unclaim
 from kvcr.runtime.memory import MemoryMap
 from kvcr.runtime.transfers import Transfers, Xfer
 from kvcr.store.index import BlockIndex, Published
@@ -241,12 +240,12 @@ class G3Tier:
             self._lose([b for b, _ in found if b.slots[0] % n not in readable])
         blocks = [b for b, _ in wanted]
         for block in blocks:
-            claim(self.index, block)
+            self.index.claim(block)
 
         def finish(xfer: Xfer | None, ok: bool) -> None:
             now = trio.current_time()
             for block in blocks:
-                unclaim(self.index, block, self._score, now)
+                self.index.unclaim_scored(block, self._score, now)
             got = {b.key for b in self._verified(blocks)} if ok else set()
             self._record(scope, started, len(got), len(items))
             then(xfer, got)

@@ -19,7 +19,6 @@ import trio
 from kvcr.config import KVCRConfig
 from kvcr.policy import HOOKS as POLICY_HOOKS
 from kvcr.policy import KVCachePolicy
-from kvcr.runtime.claims import claim, unclaim
 from kvcr.runtime.engine_calls import EngineCalls
 from kvcr.runtime.fill_waiters import FillWaiters
 from kvcr.runtime.g3 import G3Tier
@@ -191,15 +190,15 @@ class Residency:
     # -- claims and release handles ----------------------------------------------------------
 
     def claim(self, block: Block, now: float) -> None:
-        """An access that holds the block until ``unclaim`` (see :func:`claim`)."""
-        claim(self.index, block, now)
+        """An access that holds the block until ``unclaim``: out of the eviction queue."""
+        self.index.claim(block, now)
 
     def unclaim(self, block: Block) -> None:
-        unclaim(self.index, block, self.score)
+        self.index.unclaim_scored(block, self.score)
 
     def hold(self, block: Block) -> ReleaseHandle:
         """A claim the engine drops with ``release``: the block stays resident until then."""
-        claim(self.index, block)
+        self.index.claim(block)
         handle = ReleaseHandle(next(self.release_ids))
         self.handles[handle] = block.key
         self.live_handles.add(handle)

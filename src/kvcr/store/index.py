@@ -279,6 +279,16 @@ class BlockIndex(Recovery):
         self.claims[rec] -= 1
         return not self.claims[rec] and not self.queue.queued[rec]
 
+    def unclaim_scored(
+        self, block: Block, score: Callable[[Block], float], now: float | None = None
+    ) -> None:
+        """Drop one claim; the last one queues the block again with a fresh ``score``
+        (``now``: an access that ended now)."""
+        if self.unclaim(block):
+            if now is not None:
+                self.touch(block, now)
+            self.rescore(block, score(block))
+
     def dequeue(self, block: Block) -> None:
         """Take a block out of the eviction queue while it is claimed; whoever drops the
         last claim queues it again."""
