@@ -30,8 +30,9 @@ from kvcr.engine_protocols import FrameworkControl, SharedListenerControl
 from kvcr.errors import KVCRServiceError
 from kvcr.guard.client import KVCRClient, KVCRPoolHold
 from kvcr.logs import get_logger
-from kvcr.runtime.build import Built, Journal, build
+from kvcr.runtime.build import Built, build
 from kvcr.runtime.commands import Close
+from kvcr.runtime.context import Journal
 from kvcr.runtime.engine_calls import EngineSide
 from kvcr.transport.base import Transport
 from kvcr.transport.factory import nixl_factory

@@ -26,7 +26,8 @@ from kvcr.config import KVCRBackendConfigs, KVCRConfig, LocalDramOptions, Remote
 from kvcr.control_channels import ZmqPeerControlChannel
 from kvcr.guard.pools import GroupMapping
 from kvcr.guard.rules import Terms
-from kvcr.runtime.build import Journal, build
+from kvcr.runtime.build import build
+from kvcr.runtime.context import Journal
 from kvcr.runtime.memory import MemoryMap
 from kvcr.runtime.mirror import Followed
 from kvcr.transport.factory import nixl_factory
