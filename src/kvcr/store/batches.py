@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvcr.store.keyprobe import Probe
+from kvcr.store.keytable import Probe
 from kvcr.store.records import IS_ATTACHED, IS_FILLING, IS_READY, Block
 from kvcr.types import BlockKey
 

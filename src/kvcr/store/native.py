@@ -1,0 +1,24 @@
+"""The compiled core, ``kvcr.store._core`` (``_core.c``), loaded once: there is no slow
+fallback. A fallback in pure Python would make every engine call several times slower
+without a word, so a missing or broken build stops ``import kvcr`` with what to do."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+try:
+    import kvcr.store._core as _core
+except ImportError as exc:  # pragma: no cover - exercised by tests/unit/store/test_native.py
+    where = Path(__file__).with_name("_core.abi3.so")
+    raise ImportError(
+        f"kvcr: cannot load its compiled core kvcr.store._core ({where}): {exc}. "
+        "In a source checkout, build it with `uv sync` (it needs a C compiler and Python's "
+        "headers: apt install gcc python3-dev); otherwise reinstall the kvcr wheel for this "
+        "platform (Linux x86_64, CPython 3.10 or later)."
+    ) from exc
+
+KeyCore = _core.KeyTable
+MAX_WIDTH: int = _core.MAX_WIDTH
+DIGEST: int = _core.DIGEST
+
+__all__ = ["DIGEST", "MAX_WIDTH", "KeyCore"]
