@@ -136,7 +136,7 @@ class KVCR:
         return out
 
     def _resolve(self, what: str, blocks: object) -> dict[BlockKey, tuple[int, ...]]:
-        if not isinstance(blocks, Mapping):
+        if type(blocks) is not dict and not isinstance(blocks, Mapping):  # dict: no ABC check
             raise ValueError(
                 f"{what}: blocks must be a mapping of key -> [MemoryRef, ...], got "
                 f"{type(blocks).__name__}"
@@ -298,6 +298,10 @@ class KVCR:
         return results
 
     def poll_completed(self) -> list[OpResult]:
+        if not self._outbox.results and self._engine.idle():
+            # What a turn would find: nothing. Something the runtime queues meanwhile is
+            # for the next poll, as it would be if it came just after the turn.
+            return []
         with self._engine.turn() as mine:
             if not mine:  # another engine thread is making the engine calls right now
                 return []

@@ -83,6 +83,10 @@ class Telemetry:
         if self._stats is not None:
             self._samples.append((scope, seconds, result, blocks, nbytes))
 
+    def pending(self) -> bool:
+        """Whether samples wait for :meth:`flush` (any thread: one read)."""
+        return bool(self._samples)
+
     def flush(self) -> None:
         """On the engine's thread: apply the samples recorded since the last flush."""
         stats, samples = self._stats, self._samples

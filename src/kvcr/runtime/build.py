@@ -150,6 +150,8 @@ def build(
     )
     engine = None
     if bindings is not None:
-        engine = EngineSide(bindings, calls, shared.answers, log, also=telemetry.flush)
+        engine = EngineSide(
+            bindings, calls, shared.answers, log, also=telemetry.flush, also_due=telemetry.pending
+        )
     runtime = Runtime(context, shared, transport_factory, journal, has_pools=local is not None)
     return Built(runtime, context, shared, engine)

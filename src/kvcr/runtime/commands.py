@@ -1,8 +1,10 @@
 """The commands engine threads send the runtime (through ``Shared.commands``).
 
 The facade validates everything before it builds a command, so the runtime trusts their
-shape; they are frozen so that nothing the engine thread still holds can change under the
-runtime.
+shape. The engine's calls are slotted attrs classes, not frozen ones: a frozen class sets
+each field through ``object.__setattr__`` (~0.45 us for a deposit's five, a quarter of the
+call), and nothing reassigns a command's fields once it is queued (the runtime only reads
+them). ``Hinted`` is a value the runtime keeps, and stays frozen.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ class Hinted:
     no_retain: bool = False
 
 
-@attrs.frozen
+@attrs.define
 class Deposit:
     handle: int
     keys: list[BlockKey]
@@ -37,7 +39,7 @@ class Deposit:
     hints: Mapping[str, Any] | None
 
 
-@attrs.frozen
+@attrs.define
 class Deliver:
     handle: int
     keys: list[BlockKey]
@@ -45,36 +47,36 @@ class Deliver:
     remote: Hinted | None
 
 
-@attrs.frozen
+@attrs.define
 class Fetch:
     handle: int
     keys: list[BlockKey]
     remote: Hinted | None
 
 
-@attrs.frozen
+@attrs.define
 class Release:
     handles: Sequence[int]
 
 
-@attrs.frozen
+@attrs.define
 class Abort:
     handle: int
     keys: list[BlockKey] | None  # None: every key still pending
 
 
-@attrs.frozen
+@attrs.define
 class Connect:
     endpoint: str
 
 
-@attrs.frozen
+@attrs.define
 class Align:
     keys: list[BlockKey]
     use_current_time: bool
 
 
-@attrs.frozen
+@attrs.define
 class Confirm:
     """The engine has taken every result of an operation whose hint said ``move``: its
     peer may now drop the copies it wrote."""
@@ -82,7 +84,7 @@ class Confirm:
     handle: int
 
 
-@attrs.frozen
+@attrs.define
 class Close:
     pass
 

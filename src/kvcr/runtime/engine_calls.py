@@ -168,18 +168,26 @@ class EngineSide:
         answers: Inbox,
         log: Any,
         also: Callable[[], None] = lambda: None,
+        also_due: Callable[[], bool] = lambda: False,
     ) -> None:
         self._bindings = bindings
         self._queue = calls.queue
         self._answers = answers
         self._log = log
         self._also = also  # more engine-thread work for every serve (telemetry samples)
+        self._also_due = also_due  # whether ``also`` has anything to do
         self._lock = threading.Lock()
         self._owner: int | None = None
         self._waiting: dict[object, int] = {}  # request id -> ticket, result not come yet
         self._requests: dict[int, object] = {}  # ticket -> request id, the same entries
         self._answered: OrderedDict[object, object] = OrderedDict()  # request -> its result
         self._closed = False
+
+    def idle(self) -> bool:
+        """Nothing to call, collect or flush (any thread, no lock: three reads). The
+        engine polls at every scheduler step and most polls find nothing: such a poll
+        skips its turn, which costs a lock and a context manager (~1.5 us)."""
+        return not self._queue and not self._waiting and not self._also_due()
 
     @property
     def polling(self) -> bool:
