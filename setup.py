@@ -1,6 +1,6 @@
 """The compiled core's build (``kvcr.store._core``); the project's metadata is pyproject.toml's.
 
-One C file over CPython's limited API (3.10), so one abi3 wheel serves every Python from
+C over CPython's limited API (3.10), so one abi3 wheel serves every Python from
 3.10 on. ``KVCR_SANITIZE=1`` builds it with AddressSanitizer and UBSan (``nox -s sanitize``).
 """
 
@@ -27,7 +27,8 @@ setup(
     ext_modules=[
         Extension(
             "kvcr.store._core",
-            sources=["src/kvcr/store/_core.c"],
+            sources=["src/kvcr/store/_core.c", "src/kvcr/store/_copies.c"],
+            depends=["src/kvcr/store/_core.h"],
             define_macros=[("Py_LIMITED_API", "0x030A0000")],
             py_limited_api=True,
             extra_compile_args=FLAGS,

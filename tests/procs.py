@@ -33,6 +33,16 @@ def _kill_children() -> None:
             child.kill()
 
 
+def native_threads(prefix: str) -> list[str]:
+    """This process's threads whose name starts with ``prefix``, native ones included
+    (``/proc/self/task/*/comm``: the copy pool's threads are pthreads Python never sees)."""
+    names = []
+    for comm in Path("/proc/self/task").glob("*/comm"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            names.append(comm.read_text().strip())
+    return sorted(name for name in names if name.startswith(prefix))
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

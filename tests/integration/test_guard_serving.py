@@ -19,7 +19,7 @@ from kvcr.guard.service import GuardService, ServiceConfig
 from kvcr.logs import capture_events, get_logger
 from kvcr.store import journal
 from kvcr.transport.copier import copy_threads
-from procs import SourceWorker, free_port
+from procs import SourceWorker, free_port, native_threads
 
 pytestmark = pytest.mark.integration
 
@@ -34,10 +34,6 @@ def other_threads() -> list[str]:
         for t in threading.enumerate()
         if t is not threading.main_thread() and not t.name.startswith("Trio thread")
     )
-
-
-def copying_threads() -> list[str]:
-    return [name for name in other_threads() if name.startswith("kvcr-copy-")]
 
 
 async def states(client: KVCRClient) -> list[str]:
@@ -65,7 +61,7 @@ async def test_a_served_group_runs_in_the_services_loop_and_is_cancelled_at_hand
         compatibility_digest=DIGEST,
     )
     client = KVCRClient(config.socket_path)
-    before = other_threads()
+    before, copiers_before = other_threads(), len(native_threads("kvcr-copy-"))
     with capture_events() as events:
         async with trio.open_nursery() as nursery:
             await nursery.start(GuardService(config, get_logger("kvcr.guard")).serve)
@@ -78,13 +74,11 @@ async def test_a_served_group_runs_in_the_services_loop_and_is_cancelled_at_hand
                 await wait_state(client, 0, "serving")
 
                 # Serving: the runtime's tasks run in this loop; nothing else was started
-                # but the copy threads of its transport.
+                # but the copy threads of its transport (the compiled core's pthreads).
                 # (Threads of earlier tests' instances may linger, e.g. one that kept its
                 # memory for a pull whose source died: only threads started since count.)
-                started = set(other_threads()) - set(before)
-                copiers = {name for name in started if name in copying_threads()}
-                assert len(copiers) == copy_threads()
-                assert started == copiers
+                assert set(other_threads()) - set(before) == set()
+                assert len(native_threads("kvcr-copy-")) == copiers_before + copy_threads()
                 assert runs == []
 
                 heir = await trio.to_thread.run_sync(

@@ -1,10 +1,12 @@
-"""Native in-process copies (kvcr.transport.copier): descriptor pairs copied byte-exact by
-copy threads, small copies inline, bad descriptors refused naming the operation, and a copy
-in flight never reported over (or cancelled) while a thread may still touch its memory."""
+"""Native in-process copies (kvcr.transport.copier over the compiled core's copy pool):
+descriptor pairs copied byte-exact by copy threads that say when a copy ended on an eventfd,
+small copies inline, bad descriptors refused naming the operation, and a copy in flight
+never reported over (or cancelled) while a thread may still touch its memory (the pool's
+gate, ``Copier.hold``, keeps threads inside a copy for as long as a test needs)."""
 
 from __future__ import annotations
 
-import threading
+import select
 import time
 from collections.abc import Iterator
 
@@ -13,7 +15,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcr.transport import copier as copier_module
 from kvcr.transport.base import Segment, TransportError, XferState
 from kvcr.transport.copier import INLINE_BYTES, Copier, CopyJob
 
@@ -56,13 +57,15 @@ def element(array: np.ndarray, i: int) -> bytes:
 
 def test_descriptor_pairs_are_copied_byte_exact_by_the_copy_threads(memory, copier) -> None:
     pool, region = memory
-    done = threading.Event()
-    copier.notify_done(done.set)
+    fd = copier.fileno()
+    assert fd is not None and copier.drain() == 0
 
     job = copier.post([0, 1, 2, 5], [8 + 7, 8 + 0, 8 + 1, 8 + 3], "deposit op 1")
 
     assert wait(job) is XferState.DONE
-    assert done.wait(5)  # the poller is woken, not left to its next poll
+    # The poller is woken by the eventfd, not left to its next poll.
+    assert select.select([fd], [], [], 5)[0] == [fd]
+    assert copier.drain() == 1 and select.select([fd], [], [], 0)[0] == []
     assert [element(pool, i) for i in (0, 1, 2, 5)] == [element(region, i) for i in (7, 0, 1, 3)]
     assert element(pool, 3) == bytes(BLOCK)  # nothing else written
 
@@ -126,50 +129,34 @@ def test_descriptors_of_different_sizes_are_refused() -> None:
 
 
 def test_a_copy_being_copied_cannot_be_cancelled_and_ends_only_when_its_thread_is_done(
-    memory, copier, monkeypatch
+    memory, copier
 ) -> None:
     pool, region = memory
-    inside, let_go = threading.Event(), threading.Event()
-    real = copier_module._memmove
-
-    def slow_memmove(dst: int, src: int, count: int) -> object:
-        inside.set()
-        let_go.wait(10)
-        return real(dst, src, count)
-
-    monkeypatch.setattr(copier_module, "_memmove", slow_memmove)
+    copier.hold(True)
     job = copier.post([0], [8], "deliver op 6")
-    assert inside.wait(5)
+    assert copier.hold(True, wait_for=1) == 1  # a thread took it, and waits to copy it
 
     with pytest.raises(TransportError, match="deliver op 6: a copy thread is still copying it"):
         copier.release(job)
     time.sleep(0.01)
     assert job.state is XferState.PROC  # still touching the memory: not over
 
-    let_go.set()
+    copier.hold(False)
     assert wait(job) is XferState.ERR  # over now, and not a success: it was given up
     assert "abandon_timeout_ms" in job.error
-    assert element(pool, 0) == element(region, 0)  # the running chunk finished its copy
+    assert element(pool, 0) == element(region, 0)  # the running part finished its copy
 
 
-def test_a_copy_not_started_yet_is_cancelled_at_once(memory, copier, monkeypatch) -> None:
-    both_inside, let_go = threading.Barrier(3), threading.Event()
-    real = copier_module._memmove
-
-    def blocking(dst: int, src: int, count: int) -> object:
-        both_inside.wait(10)
-        let_go.wait(10)
-        return real(dst, src, count)
-
-    monkeypatch.setattr(copier_module, "_memmove", blocking)
-    # Both threads busy with the first copy's two chunks; the second copy waits in the queue.
+def test_a_copy_not_started_yet_is_cancelled_at_once(memory, copier) -> None:
+    copier.hold(True)
+    # Both threads inside the first copy's two parts; the second copy waits in the queue.
     first = copier.post(list(range(4)), [8 + i for i in range(4)], "deposit op 7")
-    both_inside.wait(10)
+    assert copier.hold(True, wait_for=2) == 2
     second = copier.post([6], [14], "deposit op 8")
 
     copier.release(second)  # nothing of it runs: cancelled, and nothing will touch it
 
-    let_go.set()
+    copier.hold(False)
     assert wait(first) is XferState.DONE
     assert wait(second) is XferState.ERR
     assert element(memory[0], 6) == bytes(BLOCK)  # never written
@@ -209,8 +196,8 @@ def strided_memory(count: int, size: int, pitch: int) -> tuple[np.ndarray, np.nd
     return pool, region
 
 
-def test_many_blocks_of_one_segment_are_copied_as_rows_by_the_threads_byte_exact() -> None:
-    # 64 x 16 KiB = 1 MiB, above INLINE_BYTES: numpy rows copies on the two copy threads,
+def test_many_blocks_of_one_segment_are_copied_by_the_threads_byte_exact() -> None:
+    # 64 x 16 KiB = 1 MiB, above INLINE_BYTES: runs copied on the two copy threads,
     # gathered from a strided region into scattered pool slots, and back.
     size, pitch, count = 16 * 1024, 20 * 1024, 64
     pool, region = strided_memory(count, size, pitch)
@@ -245,18 +232,9 @@ def test_many_blocks_of_one_segment_are_copied_as_rows_by_the_threads_byte_exact
         c.close()
 
 
-def test_a_rows_copy_being_copied_ends_only_when_its_thread_is_done(monkeypatch) -> None:
-    size, count = 64 * 1024, 32  # 2 MiB: two rows chunks, one per thread
+def test_a_copy_of_many_blocks_being_copied_ends_only_when_its_threads_are_done() -> None:
+    size, count = 64 * 1024, 32  # 2 MiB: two parts, one per thread
     pool, region = strided_memory(count, size, size)
-    inside, let_go = threading.Barrier(3), threading.Event()
-    real = copier_module._copy_rows
-
-    def slow_rows(*args: np.ndarray) -> None:
-        inside.wait(10)
-        let_go.wait(10)
-        real(*args)
-
-    monkeypatch.setattr(copier_module, "_copy_rows", slow_rows)
     c = Copier("rows-cancel", threads=2)
     c.open(
         [
@@ -265,16 +243,17 @@ def test_a_rows_copy_being_copied_ends_only_when_its_thread_is_done(monkeypatch)
         ]
     )
     try:
+        c.hold(True)
         job = c.post(list(range(count)), [count + i for i in range(count)], "deliver op 11")
-        inside.wait(10)
+        assert c.hold(True, wait_for=2) == 2
         with pytest.raises(
             TransportError, match="deliver op 11: a copy thread is still copying it"
         ):
             c.release(job)
         assert job.state is XferState.PROC
-        let_go.set()
+        c.hold(False)
         assert wait(job) is XferState.ERR
-        assert pool.tobytes() == region.tobytes()  # both running chunks finished their copy
+        assert pool.tobytes() == region.tobytes()  # both running parts finished their copy
     finally:
         c.close()
 

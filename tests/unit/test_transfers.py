@@ -4,7 +4,9 @@ peer transfer tracked meanwhile is polled at once, not after the poller's long s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import os
+from collections.abc import Sequence
 
 import pytest
 import trio
@@ -16,19 +18,24 @@ from kvcr.transport.base import XferState
 
 
 class NotifyingTransport:
-    """Local copies end when the test says so (as a copy thread would), and say so."""
+    """Local copies end when the test says so, and say so on an eventfd (as the copy
+    pool's threads do)."""
 
     def __init__(self) -> None:
         self.states: dict[str, XferState] = {}
         self.polls: list[tuple[float, str]] = []
-        self.on_done: Callable[[], None] | None = None
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
 
     def post_local_read(self, dst: Sequence[int], src: Sequence[int], what: str) -> str:
         self.states[what] = XferState.PROC
         return what
 
-    def notify_local_done(self, callback: Callable[[], None]) -> None:
-        self.on_done = callback
+    def local_done_fd(self) -> int:
+        return self.fd
+
+    def drain_local_done(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.eventfd_read(self.fd)
 
     def poll(self, handle: str) -> XferState:
         self.polls.append((trio.current_time(), handle))
@@ -39,8 +46,7 @@ class NotifyingTransport:
 
     def finish(self, handle: str) -> None:
         self.states[handle] = XferState.DONE
-        assert self.on_done is not None
-        self.on_done()  # what the copy thread does (run_sync_soon is thread-safe)
+        os.eventfd_write(self.fd, 1)  # what the copy thread does
 
 
 @pytest.fixture
@@ -49,9 +55,10 @@ async def world(autojump_clock: trio.testing.MockClock):  # type: ignore[no-unty
     transfers = Transfers(transport, get_logger("kvcr.test"))
     async with trio.open_nursery() as nursery:
         nursery.start_soon(transfers.run)
-        await trio.sleep(0.001)  # the poller registered its callback
+        await trio.sleep(0.001)  # the poller waits on the eventfd
         yield transport, transfers
         nursery.cancel_scope.cancel()
+    os.close(transport.fd)
 
 
 def copy(transfers: Transfers, what: str, ended: list[Xfer]) -> Xfer:  # type: ignore[type-arg]

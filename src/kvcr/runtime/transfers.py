@@ -12,9 +12,9 @@ milliseconds), then every millisecond, and not at all when nothing is in flight 
 costs no CPU). A peer write becomes DONE, and its
 notification leaves, only when the source polls it after the destination called into
 NIXL, so a slower poll here is latency added to every peer transfer. Local copies run on
-copy threads (``transport/copier.py``): the one that ends a copy has it checked at once in
-the loop's thread, and while only copies are in flight the poller barely wakes (every
-10 ms), not to take a core from them.
+copy threads (``transport/copier.py``): the one that ends a copy says so on an eventfd,
+which a task here waits on, so the copy is checked at once in the loop's thread; while only
+copies are in flight the poller barely wakes (every 10 ms), not to take a core from them.
 
 NIXL's file backends do their work inside polls (64 descriptors a poll: ~0.5 ms for 64 KiB
 blocks), so the G3 tier's poller is ``busy``: it polls back to back while something is in
@@ -33,7 +33,7 @@ import attrs
 import trio
 
 from kvcr.runtime.timer import FineTimer, TrioSleep, poll_interval, sleeper
-from kvcr.transport.base import Transport, XferPoller, XferState
+from kvcr.transport.base import LocalDoneWord, Transport, XferPoller, XferState
 
 BUSY_YIELD_S = 0.001  # the longest a busy poller polls without letting other tasks run
 # ... and then how long it sleeps. A checkpoint alone releases the GIL only for the instant
@@ -172,40 +172,50 @@ class Transfers(Generic[_T]):
 
     async def run(self) -> None:
         timer = self._timer = sleeper(self._fine)
-        notify = getattr(self.transport, "notify_local_done", None)
-        notified = notify is not None
-        if notify is not None:
-            # Local copies end on copy threads: each one that does has this poller check
-            # them at once, in the loop's thread, instead of at its next poll.
-            token = trio.lowlevel.current_trio_token()
-            notify(lambda: token.run_sync_soon(self._local_done))
+        # Local copies end on copy threads, which say so on an eventfd (no GIL taken on
+        # their side): its task has this poller check them at once, in the loop's thread,
+        # instead of at its next poll.
+        word = self.transport if isinstance(self.transport, LocalDoneWord) else None
+        done_fd = None if word is None else word.local_done_fd()
         try:
-            while True:
-                if not self._in_flight:
-                    self._work = trio.Event()
-                    await self._work.wait()
-                busy_since = trio.current_time()
-                while self._in_flight:
-                    if self._busy:
-                        await self._poll_back_to_back()
-                        continue
-                    if notified and all(x.local for x in self._in_flight):
-                        # Nothing to poll for: a wake-up now would only take a core from
-                        # the copy threads.
-                        interval = NOTIFIED_POLL_S
-                    else:
-                        interval = poll_interval(trio.current_time(), busy_since)
-                    await timer.sleep(interval)
-                    for xfer in list(self._in_flight):
-                        self._check(xfer)
+            async with trio.open_nursery() as nursery:
+                if word is not None and done_fd is not None:
+                    nursery.start_soon(self._wait_local_done, word, done_fd)
+                await self._poll(timer, notified=done_fd is not None)
         finally:
             self._timer = None
             timer.close()
 
+    async def _poll(self, timer: FineTimer | TrioSleep, notified: bool) -> None:
+        while True:
+            if not self._in_flight:
+                self._work = trio.Event()
+                await self._work.wait()
+            busy_since = trio.current_time()
+            while self._in_flight:
+                if self._busy:
+                    await self._poll_back_to_back()
+                    continue
+                if notified and all(x.local for x in self._in_flight):
+                    # Nothing to poll for: a wake-up now would only take a core from the
+                    # copy threads.
+                    interval = NOTIFIED_POLL_S
+                else:
+                    interval = poll_interval(trio.current_time(), busy_since)
+                await timer.sleep(interval)
+                for xfer in list(self._in_flight):
+                    self._check(xfer)
+
+    async def _wait_local_done(self, word: LocalDoneWord, fd: int) -> None:
+        while True:
+            await trio.lowlevel.wait_readable(fd)
+            word.drain_local_done()
+            self._local_done()
+
     def _local_done(self) -> None:
-        """A local copy ended (called in the loop's thread, from a copy thread's word)."""
+        """A local copy ended (a copy thread's word on the eventfd): check them now."""
         try:
             for xfer in [x for x in self._in_flight if x.local]:
                 self._check(xfer)
-        except Exception as exc:  # in trio's own callback: it must not raise
+        except Exception as exc:  # a completion callback failed: log it, keep polling
             self._log.exception("transfer_completion_failed", error=repr(exc))

@@ -34,6 +34,8 @@
 #include <string.h>
 #include <sys/mman.h>
 
+#include "_core.h"
+
 #define EMPTY (-1)
 #define TOMB (-2)
 #define DIGEST 255
@@ -741,7 +743,7 @@ static int core_exec(PyObject *module) {
         return -1;
     }
     return PyModule_AddIntConstant(module, "MAX_WIDTH", MAX_WIDTH) < 0 ||
-                   PyModule_AddIntConstant(module, "DIGEST", DIGEST) < 0
+                   PyModule_AddIntConstant(module, "DIGEST", DIGEST) < 0 || copies_exec(module) < 0
                ? -1
                : 0;
 }
@@ -751,7 +753,7 @@ static PyModuleDef_Slot core_slots[] = {{Py_mod_exec, core_exec}, {0, NULL}};
 static struct PyModuleDef core_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "kvcr.store._core",
-    .m_doc = "kvcr's compiled core: the key table (see kvcr/store/keytable.py).",
+    .m_doc = "kvcr's compiled core: the key table (keytable.py) and the copy pool (transport/copier.py).",
     .m_size = 0,
     .m_slots = core_slots,
 };

@@ -18,7 +18,11 @@ except ImportError as exc:  # pragma: no cover - exercised by tests/unit/store/t
     ) from exc
 
 KeyCore = _core.KeyTable
+CopyPool = _core.CopyPool
+NativeJob = _core.CopyJob
 MAX_WIDTH: int = _core.MAX_WIDTH
 DIGEST: int = _core.DIGEST
+COPY_DONE: int = _core.COPY_DONE
+COPY_ERR: int = _core.COPY_ERR
 
-__all__ = ["DIGEST", "MAX_WIDTH", "KeyCore"]
+__all__ = ["COPY_DONE", "COPY_ERR", "DIGEST", "MAX_WIDTH", "CopyPool", "KeyCore", "NativeJob"]

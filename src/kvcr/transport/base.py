@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import enum
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 import numpy as np
@@ -111,6 +111,18 @@ class Descriptors:
             raise IndexError(f"descriptor {int(bad)} is not one of {self.count}")
         seg = np.searchsorted(self._starts_np, descs, side="right") - 1
         return seg, descs - self._starts_np[seg]
+
+
+@runtime_checkable
+class LocalDoneWord(Protocol):
+    """A transport whose local copies end on threads of their own and say so on an fd
+    (the NIXL transport's copy pool): the runtime waits for that word instead of polling."""
+
+    def local_done_fd(self) -> int | None:
+        """An fd readable once a local copy became terminal (None: no such word)."""
+
+    def drain_local_done(self) -> None:
+        """Clear the fd's readiness (the runtime then polls its local copies)."""
 
 
 class XferPoller(Protocol):

@@ -48,7 +48,7 @@ Between hosts UCX moves the data over TCP, and a write does not end when the lin
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -112,9 +112,13 @@ class NixlTransport:
         """A copy inside this process: native, on the copy threads (see copier.py)."""
         return self._copier.post(dst, src, what)
 
-    def notify_local_done(self, callback: Callable[[], None]) -> None:
-        """``callback`` runs on a copy thread whenever a local copy becomes terminal."""
-        self._copier.notify_done(callback)
+    def local_done_fd(self) -> int | None:
+        """An eventfd, readable once a local copy became terminal (see copier.py)."""
+        return self._copier.fileno()
+
+    def drain_local_done(self) -> None:
+        """Clear :meth:`local_done_fd`'s readiness (the runtime then polls its copies)."""
+        self._copier.drain()
 
     # -- peers -----------------------------------------------------------------------------
 
