@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 try:
-    import kvcr.store._core as _core
+    from kvcr.store import _core
 except ImportError as exc:  # pragma: no cover - exercised by tests/unit/store/test_native.py
     where = Path(__file__).with_name("_core.abi3.so")
     raise ImportError(
