@@ -57,7 +57,7 @@ def test_a_core_that_cannot_load_stops_import_kvcr_with_the_file_and_the_fix() -
     kind, message, cause = (part.strip() for part in done.stdout.split("|"))
     assert kind == "ImportError" and cause == "ModuleNotFoundError"
     assert "kvcr.store._core" in message and "_core.abi3.so" in message  # the file
-    assert "uv sync" in message and "C compiler" in message  # the fix
+    assert "uv sync --reinstall-package kvcr" in message and "C compiler" in message  # the fix
     assert "python3-dev" in message
 
 
