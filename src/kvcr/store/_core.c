@@ -38,6 +38,7 @@
 
 #define EMPTY (-1)
 #define TOMB (-2)
+#define SEEN (-1) /* a record's entry while its batch is checked (check_keyless) */
 #define DIGEST 255
 #define MAX_WIDTH 64
 #define DIGEST_BYTES 32
@@ -321,6 +322,48 @@ static const Py_ssize_t *records_arg(KeyTable *t, PyObject *obj, Py_ssize_t n, c
     return recs;
 }
 
+/* A batch's records are checked before anything is written, a record given twice included:
+ * while they are, each one's ``entry`` is marked negative (it never is otherwise), and the
+ * marks go before these return. */
+
+/* Records to file keys under: none has a key (so its entry is free: marked SEEN, then 0),
+ * none is given twice. */
+static int check_keyless(KeyTable *t, const Py_ssize_t *recs, Py_ssize_t n, const char *op) {
+    Py_ssize_t i;
+    for (i = 0; i < n; i++) {
+        if (t->entry[recs[i]] == SEEN) {
+            PyErr_Format(PyExc_ValueError, "key table %s: record %zd is given twice", op, recs[i]);
+            break;
+        }
+        if (has_key(t, recs[i])) {
+            PyErr_Format(PyExc_ValueError, "key table %s: record %zd already has a key", op, recs[i]);
+            break;
+        }
+        t->entry[recs[i]] = SEEN;
+    }
+    for (Py_ssize_t j = 0; j < i; j++) t->entry[recs[j]] = 0;
+    return i < n ? -1 : 0;
+}
+
+/* Records to drop the keys of: each has one (its entry p marked ~p, then restored), none is
+ * given twice. */
+static int check_keyed(KeyTable *t, const Py_ssize_t *recs, Py_ssize_t n, const char *op) {
+    Py_ssize_t i;
+    for (i = 0; i < n; i++) {
+        if (t->entry[recs[i]] < 0) {
+            PyErr_Format(PyExc_ValueError, "key table %s: record %zd is given twice", op, recs[i]);
+            break;
+        }
+        if (!has_key(t, recs[i])) {
+            PyErr_Format(PyExc_KeyError, "key table: record %zd has no key", recs[i]);
+            break;
+        }
+        t->entry[recs[i]] = ~t->entry[recs[i]];
+    }
+    for (Py_ssize_t j = 0; j < i; j++) t->entry[recs[j]] = ~t->entry[recs[j]];
+    return i < n ? -1 : 0;
+}
+
 static PyObject *new_intp(Py_ssize_t n, Py_ssize_t **out) {
     PyObject *buf = PyByteArray_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(Py_ssize_t));
     if (buf != NULL) *out = (Py_ssize_t *)PyByteArray_AsString(buf);
@@ -427,13 +470,7 @@ static PyObject *kt_file(KeyTable *t, PyObject *args) {
     PyObject *buf = NULL;
     Ident *ids = NULL;
     const Py_ssize_t *recs = records_arg(t, recs_obj, n, "file");
-    if (recs == NULL) goto done;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (has_key(t, recs[i])) {
-            PyErr_Format(PyExc_ValueError, "key table file: record %zd already has a key", recs[i]);
-            goto done;
-        }
-    }
+    if (recs == NULL || check_keyless(t, recs, n, "file") < 0) goto done;
     /* Every identity first: the digests call Python, and nothing is written yet. */
     ids = malloc(sizeof(Ident) * (size_t)(n ? n : 1));
     if (ids == NULL) {
@@ -462,7 +499,7 @@ static PyObject *kt_file(KeyTable *t, PyObject *args) {
     }
     t->filings++;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (has_key(t, recs[i])) { /* a record given twice: the first filing stands */
+        if (has_key(t, recs[i])) { /* filed meanwhile, by a digest function that called in */
             PyErr_Format(PyExc_ValueError, "key table file: record %zd is given twice", recs[i]);
             Py_CLEAR(buf);
             goto done;
@@ -500,12 +537,7 @@ static PyObject *kt_file_rows(KeyTable *t, PyObject *args) {
     const Py_ssize_t *recs = records_arg(t, recs_obj, length ? n : -1, "file_rows");
     if (recs == NULL) return NULL;
     if (length == 0) n = PyBytes_Size(recs_obj) / (Py_ssize_t)sizeof(Py_ssize_t);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (has_key(t, recs[i])) {
-            PyErr_Format(PyExc_ValueError, "key table file_rows: record %zd already has a key", recs[i]);
-            return NULL;
-        }
-    }
+    if (check_keyless(t, recs, n, "file_rows") < 0) return NULL;
     PyObject *buf = new_intp(n, &out);
     if (buf == NULL) return NULL;
     if (make_room(t, n, length) < 0) {
@@ -517,11 +549,6 @@ static PyObject *kt_file_rows(KeyTable *t, PyObject *args) {
     memset(id.row, 0, sizeof id.row);
     id.code = (int)length;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (has_key(t, recs[i])) {
-            PyErr_Format(PyExc_ValueError, "key table file_rows: record %zd is given twice", recs[i]);
-            Py_DECREF(buf);
-            return NULL;
-        }
         memcpy(id.row, rows + i * length, (size_t)length);
         id.hash = hash_row(id.row, id.code);
         out[i] = place(t, (int32_t)recs[i], &id, 0);
@@ -543,24 +570,14 @@ static int drop_one(KeyTable *t, Py_ssize_t rec) {
 }
 
 /* drop(recs): drop the keys of distinct records that have one (KeyError, nothing dropped,
- * if one has none). */
+ * if one has none; ValueError, nothing dropped, if one is given twice). */
 static PyObject *kt_drop(KeyTable *t, PyObject *recs_obj) {
     const Py_ssize_t *recs = records_arg(t, recs_obj, -1, "drop");
     if (recs == NULL) return NULL;
     Py_ssize_t n = PyBytes_Size(recs_obj) / (Py_ssize_t)sizeof(Py_ssize_t);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (!has_key(t, recs[i])) {
-            PyErr_Format(PyExc_KeyError, "key table: record %zd has no key", recs[i]);
-            return NULL;
-        }
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (!has_key(t, recs[i])) {
-            PyErr_Format(PyExc_ValueError, "key table drop: record %zd is given twice", recs[i]);
-            return NULL;
-        }
+    if (check_keyed(t, recs, n, "drop") < 0) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++)
         if (drop_one(t, recs[i]) < 0) return NULL;
-    }
     Py_RETURN_NONE;
 }
 

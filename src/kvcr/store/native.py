@@ -12,9 +12,9 @@ except ImportError as exc:  # pragma: no cover - exercised by tests/unit/store/t
     where = Path(__file__).with_name("_core.abi3.so")
     raise ImportError(
         f"kvcr: cannot load its compiled core kvcr.store._core ({where}): {exc}. "
-        "In a source checkout, build it with `uv sync` (it needs a C compiler and Python's "
-        "headers: apt install gcc python3-dev); otherwise reinstall the kvcr wheel for this "
-        "platform (Linux x86_64, CPython 3.10 or later)."
+        "In a source checkout, build it with `uv sync --reinstall-package kvcr` (it needs a "
+        "C compiler and Python's headers: apt install gcc python3-dev); otherwise reinstall "
+        "the kvcr wheel for this platform (Linux x86_64, CPython 3.10 or later)."
     ) from exc
 
 KeyCore = _core.KeyTable
