@@ -77,6 +77,16 @@ typedef struct {
 
 static PyObject *job_type; /* CopyJob's type, set at module exec */
 
+/* The pool's lock, taken by a thread that holds the GIL: at once if free; else with the
+ * GIL let go while it waits, so that a copy thread preempted while holding the lock (two
+ * cores, more runnable threads) never keeps every Python thread waiting too. */
+static void lock_with_gil(CopyPool *p) {
+    if (pthread_mutex_trylock(&p->lock) == 0) return;
+    Py_BEGIN_ALLOW_THREADS;
+    pthread_mutex_lock(&p->lock);
+    Py_END_ALLOW_THREADS;
+}
+
 /* Under the lock: one reference to ``job`` less. */
 static void job_unref(Job *job) {
     if (--job->refs == 0) free(job);
@@ -111,13 +121,17 @@ static void *work(void *arg) {
         int ended = --job->left == 0;
         if (ended) __atomic_store_n(&job->state, job->cancelled ? ERR : DONE, __ATOMIC_RELEASE);
         job_unref(job);
+        pthread_mutex_unlock(&p->lock);
         free(c);
         if (ended) {
+            /* Outside the lock: the write wakes the runtime's thread, which may take this
+             * core at once, and must not find the lock held by a thread it preempted. It
+             * only fails once the fd is closed, after the threads are joined: never here. */
             uint64_t one = 1;
-            /* Only fails once the fd is closed, after the threads are joined: never here. */
             ssize_t written = write(p->efd, &one, sizeof one);
             (void)written;
         }
+        pthread_mutex_lock(&p->lock);
     }
     pthread_mutex_unlock(&p->lock);
     return NULL;
@@ -257,7 +271,7 @@ static PyObject *pool_post(CopyPool *p, PyObject *args) {
         job->state = DONE;
         return (PyObject *)obj;
     }
-    pthread_mutex_lock(&p->lock);
+    lock_with_gil(p);
     job->refs += made;
     job->left = made;
     for (int k = 0; k < made; k++) {
@@ -265,9 +279,10 @@ static PyObject *pool_post(CopyPool *p, PyObject *args) {
         else p->head = chunks[k];
         p->tail = chunks[k];
     }
+    pthread_mutex_unlock(&p->lock);
+    /* After the unlock: a woken thread does not wait for the lock its waker holds. */
     if (made == 1) pthread_cond_signal(&p->wake);
     else pthread_cond_broadcast(&p->wake);
-    pthread_mutex_unlock(&p->lock);
     return (PyObject *)obj;
 }
 
@@ -319,7 +334,7 @@ static PyObject *job_state(CopyJob *j, void *Py_UNUSED(c)) {
  * thread touches the memory once the queued ones are skipped). */
 static PyObject *job_cancel(CopyJob *j, PyObject *Py_UNUSED(ignored)) {
     CopyPool *p = j->pool;
-    pthread_mutex_lock(&p->lock);
+    lock_with_gil(p);
     j->job->cancelled = 1;
     int idle = j->job->running == 0;
     pthread_mutex_unlock(&p->lock);
@@ -329,7 +344,7 @@ static PyObject *job_cancel(CopyJob *j, PyObject *Py_UNUSED(ignored)) {
 static void job_dealloc(CopyJob *j) {
     PyTypeObject *tp = Py_TYPE(j);
     CopyPool *p = j->pool;
-    pthread_mutex_lock(&p->lock);
+    lock_with_gil(p);
     job_unref(j->job);
     pthread_mutex_unlock(&p->lock);
     Py_DECREF(p);
