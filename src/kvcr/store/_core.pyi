@@ -11,6 +11,8 @@ COPY_PROC: int
 COPY_DONE: int
 COPY_ERR: int
 
+def take_free(taken: bytearray, start: int, count: int) -> tuple[bytearray, int]: ...
+
 class CopyJob:
     @property
     def state(self) -> int: ...

@@ -126,7 +126,7 @@ class BlockIndex(Recovery):
                 raise ValueError("block index: keys to fill are not the ones found absent")
         if keys and self.journal is not None:
             self.journal.flush()
-        at = np.array(self._first.take_many(len(keys)), dtype=np.intp)
+        at = self._first.take_many(len(keys))
         if probe is None:
             holders = self.table.add_many(keys, at)
         else:
@@ -142,7 +142,7 @@ class BlockIndex(Recovery):
         gens = np.frombuffer(self.gen, np.uint32).take(at)
         columns = [at]
         for pool, column in zip(self._others, self.other_slots):
-            taken = np.array(pool.take_many(len(keys)), dtype=np.intp)
+            taken = pool.take_many(len(keys))
             np.frombuffer(column, np.uint32)[at] = taken
             columns.append(taken)
         slots = at.reshape(-1, 1) if not self._others else np.stack(columns, axis=1)

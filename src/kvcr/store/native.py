@@ -20,9 +20,10 @@ except ImportError as exc:  # pragma: no cover - exercised by tests/unit/store/t
 KeyCore = _core.KeyTable
 CopyPool = _core.CopyPool
 NativeJob = _core.CopyJob
+take_free = _core.take_free
 MAX_WIDTH: int = _core.MAX_WIDTH
 DIGEST: int = _core.DIGEST
 COPY_DONE: int = _core.COPY_DONE
 COPY_ERR: int = _core.COPY_ERR
 
-__all__ = ["COPY_DONE", "COPY_ERR", "DIGEST", "MAX_WIDTH", "CopyPool", "KeyCore", "NativeJob"]
+__all__ = ["COPY_DONE", "COPY_ERR", "DIGEST", "MAX_WIDTH", "CopyPool", "KeyCore", "NativeJob", "take_free"]

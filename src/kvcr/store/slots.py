@@ -10,6 +10,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from kvcr.store.native import take_free
+
 
 class SlotPool:
     """Free slots of one pool: a byte per slot (0: free). Lowest-numbered slots are handed
@@ -37,28 +39,16 @@ class SlotPool:
         return frozenset(np.flatnonzero(np.frombuffer(self.taken, np.uint8) == 0).tolist())
 
     def take(self) -> int:
-        return self.take_many(1)[0]
+        return int(self.take_many(1)[0])
 
-    def take_many(self, count: int) -> list[int]:
-        """``count`` free slots (the lowest ones), ascending."""
+    def take_many(self, count: int) -> np.ndarray:
+        """``count`` free slots (the lowest ones), ascending (intp): one scan in the
+        compiled core."""
         if count > self._free:
             raise IndexError(f"pool {self.name!r}: {count} slots wanted, {self._free} free")
-        taken, low = self.taken, self._low
-        if taken.find(1, low, low + count) < 0 and low + count <= self.capacity:
-            # The usual case of a pool filling up: a run of free slots.
-            taken[low : low + count] = b"\x01" * count
-            slots = list(range(low, low + count))
-            low += count
-        else:
-            slots = []
-            for _ in range(count):
-                low = taken.find(0, low)
-                taken[low] = 1
-                slots.append(low)
-                low += 1
+        slots, self._low = take_free(self.taken, self._low, count)
         self._free -= count
-        self._low = low
-        return slots
+        return np.frombuffer(slots, np.intp)
 
     def release_many(self, slots: np.ndarray) -> None:
         """:meth:`release` for many distinct slots at once."""

@@ -1,7 +1,8 @@
 """The compiled core (``kvcr.store._core``, loaded by store/native.py) at its boundary: no
 fallback when it cannot load, malformed batches raise and change nothing, the table agrees
 with a dict through every key length, rebuild and widening, and a million calls leak no
-reference and no memory. ``nox -s sanitize`` runs this file under ASan and UBSan."""
+reference and no memory; a pool's free slots are handed out as a Python model does. ``nox -s
+sanitize`` runs this file under ASan and UBSan."""
 
 from __future__ import annotations
 
@@ -17,12 +18,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvcr.store.keytable import MAX_WIDTH, KeyTable
-from kvcr.store.native import KeyCore
+from kvcr.store.native import KeyCore, take_free
 
 
 def intp(*values: int) -> bytes:
@@ -685,3 +686,38 @@ def test_a_million_calls_leak_no_reference_and_no_memory() -> None:
         assert rss() - resident < 16 * 2**20
     assert np.frombuffer(table.lookup(batch), np.intp).tolist() == [0, 21, -1, 7]
     assert len(table) == 24 and table.keys_of(filed_recs) == filed
+
+
+# ---- a pool's free slots -------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    taken=st.lists(st.booleans(), max_size=300).map(bytearray),
+    start=st.integers(0, 300),
+    count=st.integers(0, 300),
+)
+def test_take_free_hands_out_the_lowest_free_slots_as_a_python_model_does(
+    taken: bytearray, start: int, count: int
+) -> None:
+    start = min(start, len(taken))
+    free = [i for i in range(start, len(taken)) if not taken[i]]
+    before = bytes(taken)
+    if count > len(free):  # too few: an error, and nothing marked
+        with pytest.raises(ValueError, match="free slots wanted"):
+            take_free(taken, start, count)
+        assert bytes(taken) == before
+        return
+    slots, after = take_free(taken, start, count)
+    assert np.frombuffer(slots, np.intp).tolist() == free[:count]
+    assert after == (free[count - 1] + 1 if count else start)
+    assert [i for i in range(len(taken)) if taken[i] != before[i]] == free[:count]
+    assert all(taken[i] == 1 for i in free[:count])
+
+
+@pytest.mark.parametrize(("start", "count"), [(-1, 0), (0, -1), (9, 0)])
+def test_take_free_refuses_a_start_or_count_outside_the_pool(start: int, count: int) -> None:
+    taken = bytearray(8)
+    with pytest.raises(ValueError, match="outside a pool of 8"):
+        take_free(taken, start, count)
+    assert taken == bytearray(8)
