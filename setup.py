@@ -27,7 +27,7 @@ setup(
     ext_modules=[
         Extension(
             "kvcr.store._core",
-            sources=["src/kvcr/store/_core.c", "src/kvcr/store/_copies.c"],
+            sources=[f"src/kvcr/store/{name}.c" for name in ("_core", "_keytable", "_copies")],
             depends=["src/kvcr/store/_core.h"],
             define_macros=[("Py_LIMITED_API", "0x030A0000")],
             py_limited_api=True,

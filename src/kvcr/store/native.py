@@ -26,4 +26,13 @@ DIGEST: int = _core.DIGEST
 COPY_DONE: int = _core.COPY_DONE
 COPY_ERR: int = _core.COPY_ERR
 
-__all__ = ["COPY_DONE", "COPY_ERR", "DIGEST", "MAX_WIDTH", "CopyPool", "KeyCore", "NativeJob", "take_free"]
+__all__ = [
+    "COPY_DONE",
+    "COPY_ERR",
+    "DIGEST",
+    "MAX_WIDTH",
+    "CopyPool",
+    "KeyCore",
+    "NativeJob",
+    "take_free",
+]
