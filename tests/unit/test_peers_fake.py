@@ -7,6 +7,7 @@ channels are in-memory channels on one hub, so drops, stalls and restarts are ex
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import trio
 
@@ -547,3 +548,42 @@ async def test_an_unreachable_hinted_peer_fails_the_hint_after_one_deadline(auto
         start = trio.current_time()
         assert statuses(await b.deliver([(1, 11)])) == {key(1): "FAILED"}
         assert trio.current_time() - start < 0.01  # at once, not another deadline
+
+
+class OddKeys:
+    """A key adapter that decodes key k to its router hash k as an int (k < 100), as 8
+    big-endian bytes (100 <= k < 200), to an int out of the hash range (k == 300), or
+    refuses it (k == 400)."""
+
+    def encode(self, framework_key: int) -> bytes:
+        return key(framework_key)
+
+    def decode(self, k: bytes) -> int | bytes:
+        n = int.from_bytes(k, "big")
+        if n == 300:
+            return 2**64
+        if n == 400:
+            raise ValueError("not a key of this engine")
+        return n if n < 100 else n.to_bytes(8, "big")
+
+
+class OddKeysWorker(Worker):
+    def bindings(self) -> object:
+        return attrs.evolve(super().bindings(), key_adapter=OddKeys())
+
+
+async def test_query_answers_fetchable_by_what_the_adapter_decodes_and_logs_what_it_cannot(
+    autojump_clock,
+):
+    # query decodes every missed key at once when the adapter gives ints in range; a batch
+    # with bytes, an out-of-range int or a refusal is answered key by key, as covers says.
+    world = World()
+    b = OddKeysWorker(world, "b")
+    async with b.running():
+        b.kv.submit_hint(b.hint(b, [1, 2, 150]), request_id="r")
+        assert b.kv.query([key(1), key(2), key(3)], request_id="r") == [REMOTE, REMOTE, MISS]
+        with capture_events() as events:
+            batch = [key(1), key(150), key(151), key(300), key(400)]
+            assert b.kv.query(batch, request_id="r") == [REMOTE, REMOTE, MISS, MISS, MISS]
+        unusable = [e for e in events if e["event"] == "key_adapter_decode_unusable"]
+        assert len(unusable) == 2  # the out-of-range hash and the refusal, each named
