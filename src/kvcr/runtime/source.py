@@ -47,7 +47,7 @@ from kvcr.runtime.ops import Outbox
 from kvcr.runtime.pins import Pins
 from kvcr.runtime.plane import Plane
 from kvcr.runtime.seen_pulls import SeenPulls
-from kvcr.runtime.transfers import Transfers, Xfer
+from kvcr.runtime.transfers import WRITE_SETTLE_S, Transfers, Xfer
 from kvcr.store.index import BlockIndex
 from kvcr.telemetry import Telemetry
 from kvcr.transport import messages as m
@@ -330,7 +330,7 @@ class Source:
         job.move(JobEvent.POST)
         self._settled.set()
         job.write_clock = Deadlines.starting(trio.current_time(), self.config)
-        job.xfer = self.transfers.track(handle, what, nbytes, terminal)
+        job.xfer = self.transfers.track(handle, what, nbytes, terminal, settle_s=WRITE_SETTLE_S)
         if job.state in WRITING:  # (track ends a transfer that is already over at once)
             self.plane.spawn(self._watch_write, job)
         self.plane.wake()
