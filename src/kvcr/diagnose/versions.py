@@ -17,6 +17,7 @@ from urllib.parse import unquote, urlparse
 import kvcr
 from kvcr.diagnose import nixl_loader
 from kvcr.diagnose.result import CheckResult
+from kvcr.store.native import CORE_FILE
 
 
 def python_check() -> CheckResult:
@@ -103,6 +104,8 @@ def kvcr_check() -> CheckResult:
         "expected_paths": [str(p) for p in expected],
         "editable": editable,
         "direct_url": url.get("url"),
+        # Loaded, or ``import kvcr`` would have failed (store/native.py): which build.
+        "compiled_core": CORE_FILE,
     }
     install = "editable install" if editable else "installed"
     if imported not in expected:

@@ -17,6 +17,7 @@ except ImportError as exc:  # pragma: no cover - exercised by tests/unit/store/t
         "the kvcr wheel for this platform (Linux x86_64, CPython 3.10 or later)."
     ) from exc
 
+CORE_FILE = str(Path(_core.__file__ or "_core").resolve())  # which build was loaded
 KeyCore = _core.KeyTable
 CopyPool = _core.CopyPool
 NativeJob = _core.CopyJob
