@@ -13,12 +13,14 @@ Modules:
 - ``index.py``: the block index (query answers, fills and commits, claims, eviction);
 - ``recovery.py``: what a journal replay does to the records, and a snapshot's read;
 - ``eviction.py``: the eviction queue (records by score);
-- ``keytable.py``: block keys -> records, over ``keyrows.py`` (a key's row, code and hash),
-  ``keyprobe.py`` (the entries and lookups) and ``keyplace.py`` (filing records);
+- ``keytable.py``: block keys -> records, over the compiled core's ``KeyTable``;
+- ``native.py``: loads the compiled core, ``kvcr.store._core`` (``_core.c``: the module and
+  ``take_free``; ``_keytable.c``: the key table; ``_copies.c``: the copy pool that
+  ``transport/copier.py`` uses), with no fallback;
 - ``journal/``: the recovery journal: ``format.py`` (bytes), ``replay.py`` (readers),
   ``writer.py`` (the holder's writer, with compaction).
 
-The interface a compiled core keeps: batches in, batches out, as numpy arrays of records
+The interface the compiled core keeps: batches in, batches out, as numpy arrays of records
 (``recs``), generations, flags and slots (n x pools), keys as a list of bytes or a journal
 batch's keys in place. The block index's batch calls the runtime and the guard use:
 
@@ -33,8 +35,9 @@ batch's keys in place. The block index's batch calls the runtime and the guard u
   ``queue_recovered(None)``, ``ready_records()`` -> (keys, slots flat).
 
 Under them the key table (``find_many``, ``probe``, ``add_many``, ``add_probed``,
-``add_rows``, ``remove_many``, ``keys``) and the eviction queue (``push_many``,
-``pop_many``, ``drop_many``, ``push_all``) take and give arrays too. The per-block calls
+``add_rows``, ``remove_many``, ``keys``; in C, with ``answers`` for ``query``), the pools'
+free slots (``take_many``: C's ``take_free``) and the eviction queue (``push_many``,
+``pop_many``, ``drop_many``, ``push_all``; still numpy) take and give arrays too. The per-block calls
 (``get``, ``holds``, ``commit``, ``remove``, ``claim``, ``touch``, ...) take a ``Block`` view:
 the paths that hand blocks on (hooks, release handles) use them.
 """
