@@ -64,12 +64,11 @@ Run = tuple[int, int, int]  # destination address, source address, bytes
 class CopyJob:
     """A posted copy: the pool's job (None: copied inline, DONE at once)."""
 
-    __slots__ = ("_native", "cancelled", "what")
+    __slots__ = ("_native", "what")
 
     def __init__(self, what: str, native: NativeJob | None) -> None:
         self.what = what
         self._native = native
-        self.cancelled = False
 
     def __repr__(self) -> str:
         return f"CopyJob({self.what!r}, {self.state.value})"
@@ -80,11 +79,11 @@ class CopyJob:
 
     @property
     def error(self) -> str:
-        return _ABANDONED if self.cancelled and self.state is XferState.ERR else ""
+        # The pool ends a copy in ERR only when it was cancelled (a memmove cannot fail).
+        return _ABANDONED if self.state is XferState.ERR else ""
 
     def cancel(self) -> bool:
         """Skip the parts not started; True if no part is being copied."""
-        self.cancelled = True
         return self._native is None or self._native.cancel()
 
 
