@@ -134,6 +134,7 @@ def main() -> None:
         "claims": lambda k: runtime.index.get(key(k)).claims,
         "query": lambda ks: [status.name for status, _ in kv.query([key(k) for k in ks])],
         "counters": soak.counters,
+        "gauges": lambda: dict(runtime.gauges()),
         "dropped": lambda: dict(runtime.plane.dropped),
         "callback_threads": lambda: (recorder.threads.calls, list(recorder.threads.wrong)),
         "events": lambda: [(e.op_handle, e.state) for e in recorder.resilience],

@@ -109,7 +109,7 @@ class Instance:
                 hold, backend_configs = claim_pools(config, bindings, backend_configs, guard_config)
                 buffer, group = hold.journal_buffer(), hold.guard_index
                 assert buffer is not None and group is not None  # a granted hold has both
-                journal = Journal(buffer, group)
+                journal = Journal(buffer, group, tie=hold.tie)
             log = get_logger("kvcr", agent=config.nixl_agent_name)
             factory = transport_factory or nixl_factory(config, backend_configs)
             built = build(

@@ -249,11 +249,24 @@ def test_status_shows_groups_holders_and_layouts_as_a_table_and_json(guard) -> N
     status = [sys.executable, "-m", "kvcr.kvcr_service", "status", "--socket-path"]
     table = subprocess.run([*status, guard.socket_path], capture_output=True, text=True, check=True)
     lines = table.stdout.splitlines()
-    assert lines[0].split() == ["group", "state", "holder", "control", "port", "journal", "layouts"]
+    assert lines[0].split() == [
+        "group", "state", "holder", "last", "beat", "fenced", "control", "port", "journal",
+        "layouts",
+    ]  # fmt: skip
     port = str(hold.control_address[1])
-    # A bare claim writes no journal: "-" (workers' journals are shown, see the workers' tests)
-    assert lines[1].split() == ["0", "held", str(os.getpid()), port, "-", "<default>:4096"]
-    assert lines[2].split() == ["1", "idle", "-", "-", "-", "-"]
+    # A bare claim writes no journal: "-" (workers' journals are shown, see the workers' tests);
+    # this service asks for no heartbeats: no last beat.
+    assert lines[1].split() == [
+        "0",
+        "held",
+        str(os.getpid()),
+        "-",
+        "0",
+        port,
+        "-",
+        "<default>:4096",
+    ]
+    assert lines[2].split() == ["1", "idle", "-", "-", "0", "-", "-", "-"]
 
     doc = subprocess.run(
         [*status, guard.socket_path, "--json"], capture_output=True, text=True, check=True
@@ -267,6 +280,8 @@ def test_status_shows_groups_holders_and_layouts_as_a_table_and_json(guard) -> N
         "journal_blocks": None,
         "journal_fill_percent": None,
         "recovery_disabled": False,
+        "fenced": 0,
+        "last_beat_ms": None,
         "layouts": [["", 4096]],
     }
     hold.release()
@@ -313,17 +328,50 @@ def test_a_sigkilled_services_files_are_reclaimed_at_the_next_start(tmp_path) ->
         assert second.stop() == 0
 
 
-def test_a_file_still_held_by_a_worker_of_a_dead_service_is_kept(tmp_path) -> None:
+def test_a_file_still_held_by_a_worker_of_a_dead_service_is_adopted_detached(tmp_path) -> None:
+    first = GuardProcess(tmp_path)
+    holder = Claimant(first)
+    path = first.pool_dir / "kvcr-group-0.pool"
+    before = os.stat(path)
+    try:
+        first.stop(signal.SIGKILL)
+        second = GuardProcess(tmp_path)
+        assert "group_detached" in second.log()
+        assert second.states() == [("detached", None), ("idle", None)]
+        after = os.stat(path)  # the worker's file is the same file, untouched
+        assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+        # Nobody but its worker (re-attaching) may have it; the other group is lent as ever.
+        with pytest.raises(KVCRGuardProtocolError, match="re-attaches on its own"):
+            claim(second)
+        claim(second, index=1).release()
+        # The worker exits without re-attaching: the group is free (its journal as it left it).
+        holder.close()
+        wait_until(lambda: second.states()[0] == ("idle", None), what="orphaned group idle")
+        assert "detached_orphaned" in second.log()
+        claim(second).release()
+    finally:
+        holder.close()
+    assert second.stop() == 0
+    assert list(second.pool_dir.iterdir()) == []
+
+
+def test_a_restart_with_other_pool_sizes_keeps_lending_the_groups_it_can(tmp_path) -> None:
     first = GuardProcess(tmp_path)
     holder = Claimant(first)
     try:
         first.stop(signal.SIGKILL)
-        second = GuardProcess(tmp_path, wait=False)
-        assert second.proc.wait(30) == 1
-        assert "group file for group 0 exists and a live process holds it" in second.log()
+        second = GuardProcess(tmp_path, pool_sizes_gb="0.001953125")  # 2 MiB, not 1
+        assert second.states() == [("unusable", None), ("idle", None)]
+        with pytest.raises(KVCRGuardProtocolError) as refused:
+            claim(second)
+        text = str(refused.value)
+        assert "kvcr-group-0.pool is 105906176 bytes" in text
+        assert "restart the service with the flags of the one that created it" in text
+        claim(second, index=1).release()
         assert (first.pool_dir / "kvcr-group-0.pool").exists()  # the worker's data survives
     finally:
         holder.close()
+    assert second.stop() == 0
 
 
 def test_a_live_services_socket_is_never_taken_over(guard) -> None:

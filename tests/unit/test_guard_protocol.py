@@ -35,6 +35,7 @@ from kvcr.guard.protocol import (
     ClaimRequest,
     FrameReader,
     G3Description,
+    Heartbeat,
     GroupStatus,
     Release,
     ReleaseAck,
@@ -92,6 +93,10 @@ SAMPLES = [
         pid=1,
     ),
     GRANTED,
+    attrs.evolve(GRANTED, heartbeat_ms=50),
+    attrs.evolve(CLAIM, reattach=True),
+    Heartbeat(guard_index=3, lease=12345, seq=0),
+    Heartbeat(guard_index=0, lease=(1 << 64) - 1, seq=(1 << 64) - 1),
     *(ClaimRefused(code=code, message=f"because {code}") for code in REFUSAL_CODES),
     ClaimRefused(code="bad_request", message=""),
     Release(guard_index=3, lease=12345, activated=True),
@@ -331,7 +336,15 @@ def test_constructing_an_invalid_message_in_code_fails_too():
         attrs.evolve(GRANTED, pools=[("a", 0, 1), ("a", 1, 1)])
     with pytest.raises(ValueError, match="state"):
         GroupStatus(index=0, state="x", holder_pid=None, layouts=[], control_port=None)
-    assert set(GROUP_STATES) == {"idle", "held", "serving", "handing_back", "unusable"}
+    assert set(GROUP_STATES) == {
+        "idle",
+        "held",
+        "serving",
+        "handing_back",
+        "unusable",
+        "fencing",
+        "detached",
+    }
 
 
 def test_encode_frame_refuses_an_oversized_body():

@@ -53,19 +53,78 @@ def test_every_legal_move_is_in_the_table_and_anything_else_raises() -> None:
 def test_the_group_table_lends_a_group_to_one_holder_at_a_time() -> None:
     assert GROUP.moves == {
         S.IDLE: {E.CLAIM: S.HELD, E.TAKEOVER: S.SERVING},
-        S.HELD: {E.RELEASE: S.IDLE, E.HOLDER_EXIT: S.IDLE},
+        S.HELD: {E.RELEASE: S.IDLE, E.HOLDER_EXIT: S.IDLE, E.FENCE: S.FENCING},
         S.SERVING: {E.CLAIM: S.HANDING_BACK, E.STOP: S.IDLE, E.UNSAFE: S.UNUSABLE},
         S.HANDING_BACK: {E.HANDED_BACK: S.HELD, E.STOP: S.IDLE, E.UNSAFE: S.UNUSABLE},
         S.UNUSABLE: {},
+        S.FENCING: {E.HOLDER_EXIT: S.IDLE, E.RELEASE: S.IDLE},
+        S.DETACHED: {E.REATTACH: S.HELD, E.ORPHANED: S.IDLE},
     }
     assert GROUP.events == set(GroupEvent) and set(GROUP.moves) == set(GroupState)
     assert [s for s in GroupState if GROUP.terminal(s)] == [S.UNUSABLE]
-    assert GROUP.reachable(S.IDLE) == set(GroupState)
-    # A group is lent (held) only by a claim, of an idle group or of one handed back.
+    # A group is detached only at the service's start, and never again after.
+    assert GROUP.reachable(S.IDLE) == set(GroupState) - {S.DETACHED}
+    assert GROUP.reachable(S.DETACHED) == set(GroupState)
+    # A group is lent (held) only by a claim, of an idle group or of one handed back, or
+    # by its worker re-attaching.
     into_held = {
         (s, e) for s, moves in GROUP.moves.items() for e, t in moves.items() if t is S.HELD
     }
-    assert into_held == {(S.IDLE, E.CLAIM), (S.HANDING_BACK, E.HANDED_BACK)}
+    assert into_held == {
+        (S.IDLE, E.CLAIM),
+        (S.HANDING_BACK, E.HANDED_BACK),
+        (S.DETACHED, E.REATTACH),
+    }
+    # A fenced holder's lease ends only with its process (or its own release): never a
+    # takeover while it may still write.
+    assert set(GROUP.moves[S.FENCING].values()) == {S.IDLE}
+
+
+def test_a_detached_group_takes_only_its_workers_reattach(groups) -> None:
+    groups.detach(0)
+    assert groups[0].state is S.DETACHED and groups[0].terms is None
+    plain = groups.check_claim(request(), PID)
+    assert plain is not None and plain.code == "held"
+    assert "re-attaches on its own" in plain.message
+    assert groups.check_claim(request(reattach=True, control_port=5000), PID) is None
+    lease = groups.grant(request(reattach=True, control_port=5000), 5000)
+    assert groups[0].state is S.HELD and groups[0].lease == lease
+    assert groups[0].terms is not None and groups[0].terms.control == ("127.0.0.1", 5000)
+    # Later claims must match the terms the re-attach fixed, as after a first claim.
+    groups.end_lease(0, lease.number, E.HOLDER_EXIT)
+    other = groups.check_claim(request(remote_fw_dram_backend="TCP"), PID)
+    assert other is not None and other.code == "backend_mismatch"
+
+
+def test_a_reattach_of_a_group_that_is_not_detached_says_what_to_do(groups) -> None:
+    refusal = groups.check_claim(request(reattach=True), PID)
+    assert refusal is not None and refusal.code == "not_detached"
+    assert "restart the engine to claim it afresh" in refusal.message
+    assert "the group is idle" in refusal.message
+
+
+def test_a_detached_group_whose_worker_left_is_idle_and_claimable(groups) -> None:
+    groups.detach(1)
+    groups.move(1, E.ORPHANED)
+    assert groups[1].state is S.IDLE
+    assert groups.check_claim(request(guard_index=1), PID) is None
+
+
+def test_a_group_whose_file_does_not_fit_is_unusable_with_the_reason(groups) -> None:
+    groups.detach(0, "group file /p/kvcr-group-0.pool is 3 bytes")
+    refusal = groups.check_claim(request(), PID)
+    assert refusal is not None and refusal.code == "held"
+    assert "kvcr-group-0.pool is 3 bytes" in refusal.message
+    assert groups.check_claim(request(guard_index=1), PID) is None  # the others still are
+
+
+def test_fencing_a_lease_that_ended_changes_nothing(groups) -> None:
+    lease = groups.grant(request(), 5000)
+    assert groups.fence(0, lease.number)
+    assert groups[0].state is S.FENCING
+    assert not groups.fence(0, lease.number)  # already fencing
+    assert groups.end_lease(0, lease.number, E.HOLDER_EXIT)
+    assert groups[0].state is S.IDLE and not groups.fence(0, lease.number)
 
 
 def test_an_illegal_move_names_the_group_its_event_and_its_state() -> None:

@@ -2,6 +2,7 @@
 
     kvcr-guard --socket-path S --pool-dir D --guard-count N --pool-sizes-gb A,B \\
                --compatibility-digest X [--log-level L] [--metrics-port P [--metrics-host H]]
+               [--heartbeat-timeout-ms N]
     kvcr-guard status --socket-path S [--json]
 
 Exit codes: 0 clean shutdown (SIGINT / SIGTERM) or status shown; 1 the service failed or
@@ -27,6 +28,7 @@ from kvcr.config import MAX_GROUPS
 from kvcr.errors import KVCRServiceError
 from kvcr.guard import hugepages
 from kvcr.guard.client import KVCRClient
+from kvcr.guard.heartbeat import BEAT_MS, MIN_TIMEOUT_MS
 from kvcr.guard.pools import JOURNAL_BYTES, parse_pool_sizes_gb
 from kvcr.guard.protocol import MAX_DIGEST, GroupStatus
 from kvcr.guard.service import GuardService, ServiceConfig, ServiceStartError
@@ -83,6 +85,14 @@ def serve_parser() -> argparse.ArgumentParser:
         help="address the metrics endpoint listens on (default 127.0.0.1)",
     )
     p.add_argument(
+        "--heartbeat-timeout-ms",
+        type=int,
+        default=None,
+        help=f"fence a holder whose runtime sends no heartbeat for this long (at least "
+        f"{MIN_TIMEOUT_MS}; holders beat every {BEAT_MS} ms): SIGKILL it, then serve its "
+        "blocks as after a crash. Off by default: holders are fenced by their exit alone",
+    )
+    p.add_argument(
         "--allow-gid",
         default=None,
         help="also let members of this group (name or id) claim: the socket becomes 0660 "
@@ -126,6 +136,12 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         raise FlagError(f"--metrics-port must be in 0..65535, got {args.metrics_port}")
     if not args.metrics_host:
         raise FlagError("--metrics-host must be an address, got an empty string")
+    heartbeat = args.heartbeat_timeout_ms
+    if heartbeat is not None and heartbeat < MIN_TIMEOUT_MS:
+        raise FlagError(
+            f"--heartbeat-timeout-ms must be at least {MIN_TIMEOUT_MS} (holders beat every "
+            f"{BEAT_MS} ms, and a loaded host delays a thread by tens of ms), got {heartbeat}"
+        )
     huge_page = None
     if args.huge_pages:
         try:
@@ -143,6 +159,7 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         idle_timeout_s=args.idle_timeout_s,
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
+        heartbeat_timeout_s=None if heartbeat is None else heartbeat / 1000,
     )
 
 
@@ -220,12 +237,16 @@ def group_record(g: GroupStatus) -> dict[str, Any]:
         "journal_blocks": g.journal_blocks,
         "journal_fill_percent": g.journal_fill_percent,
         "recovery_disabled": g.recovery_disabled,
+        "fenced": g.fenced,
+        "last_beat_ms": g.last_beat_ms,
         "layouts": [list(x) for x in g.layouts],
     }
 
 
 def status_table(groups: list[GroupStatus]) -> str:
-    rows = [("group", "state", "holder", "control port", "journal", "layouts")]
+    rows = [
+        ("group", "state", "holder", "last beat", "fenced", "control port", "journal", "layouts")
+    ]
     for g in groups:
         if g.recovery_disabled:
             journal = "recovery disabled"
@@ -238,6 +259,8 @@ def status_table(groups: list[GroupStatus]) -> str:
                 str(g.index),
                 g.state,
                 "-" if g.holder_pid is None else str(g.holder_pid),
+                "-" if g.last_beat_ms is None else f"{g.last_beat_ms} ms ago",
+                str(g.fenced),
                 "-" if g.control_port is None else str(g.control_port),
                 journal,
                 ", ".join(f"{name or '<default>'}:{size}" for name, size in g.layouts) or "-",

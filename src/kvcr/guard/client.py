@@ -1,9 +1,11 @@
 """The worker's side of the guard service: ``KVCRClient`` and ``KVCRPoolHold`` (contract 10).
 
 Every request is one short connection (connect, one frame each way, close), so the service
-can drop connections that go quiet and a worker never keeps a socket it might leak across
-``exec``. The lease does not depend on any connection: it lasts until ``release`` or until
-the claimant's process exits, which the service learns from the claimant's pidfd.
+can drop connections that go quiet, except a granted claim's: it stays open as the lease's
+*link* (``lease_link.py``), which carries the heartbeats and whose end tells the worker that
+its service died. The lease itself lasts until ``release``, until the claimant's process
+exits (the service learns it from the claimant's pidfd), or until the service fences a
+holder that stopped beating. Every descriptor is close-on-exec.
 
 A hold belongs to the process that claimed it. A forked child inherits neither the
 mapping (``MADV_DONTFORK``) nor the lease: in the child the hold is dead, and ``release``
@@ -13,16 +15,20 @@ refuses to run there.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+import attrs
+
 from kvcr.config import G3Options, LocalDramOptions
 from kvcr.errors import KVCRGuardProtocolError, KVCRServiceError, KVCRSocketError
 from kvcr.guard import fdpass
 from kvcr.guard import protocol as wire
+from kvcr.guard.lease_link import Grant, Tie
 from kvcr.guard.pools import GroupFile, GroupLayout, GroupMapping, map_group, share_group_file
 from kvcr.logs import get_logger
 
@@ -31,6 +37,7 @@ __all__ = ["KVCRClient", "KVCRPoolHold"]
 log = get_logger(__name__)
 
 DEFAULT_TIMEOUT_S = 10.0
+REATTACH_TIMEOUT_S = 2.0  # a re-attach runs on a runtime's thread pool: keep its stop short
 _T = TypeVar("_T")
 
 
@@ -110,7 +117,7 @@ class KVCRClient:
             raise ValueError(f"KVCRClient.claim: {exc}") from None
         pidfd = os.pidfd_open(os.getpid())
         try:
-            reply, fds = self._request(request, [pidfd], max_fds=2)
+            reply, fds, link = self._request_link(request, [pidfd], 2, self.timeout_s)
         finally:
             os.close(pidfd)
         try:
@@ -120,11 +127,18 @@ class KVCRClient:
                     f"guard service {self.socket_path}: claim of group {guard_index} was "
                     f"granted with {len(fds)} descriptor(s), expected 2"
                 )
-            return self._take(request, granted, fds[0], fds[1])
+            hold = self._take(request, granted, fds[0], fds[1])
+        except BaseException:
+            link.close()
+            raise
         finally:
             for fd in fds:
                 with contextlib.suppress(OSError):
                     os.close(fd)
+        hold._tie = Tie(
+            guard_index, _grant_of(granted, link), functools.partial(self._reattach, hold), log
+        )
+        return hold
 
     def status(self) -> list[wire.GroupStatus]:
         """Every group's state, holder and terms."""
@@ -148,21 +162,63 @@ class KVCRClient:
     def _request(
         self, message: wire.Message, fds: list[int], max_fds: int
     ) -> tuple[wire.Message, list[int]]:
+        reply, received, sock = self._request_link(message, fds, max_fds, self.timeout_s)
+        sock.close()
+        return reply, received
+
+    def _request_link(
+        self, message: wire.Message, fds: list[int], max_fds: int, timeout_s: float
+    ) -> tuple[wire.Message, list[int], socket.socket]:
+        """One request and its reply, and the connection, still open (a grant's link)."""
         where = f"guard service {self.socket_path}"
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.settimeout(self.timeout_s)
+            sock.settimeout(timeout_s)
             try:
                 sock.connect(self.socket_path)
             except OSError as exc:
                 raise KVCRSocketError(f"{where}: cannot connect: {exc}") from exc
             try:
                 fdpass.send_frame_with_fds(sock, message, fds)
-                return fdpass.recv_message_with_fds(sock, wire.FrameReader(), max_fds)
+                reply, received = fdpass.recv_message_with_fds(sock, wire.FrameReader(), max_fds)
             except KVCRServiceError as exc:
                 raise type(exc)(f"{where}: {message.TYPE}: {exc}") from exc
-        finally:
+        except BaseException:
             sock.close()
+            raise
+        return reply, received, sock
+
+    def _reattach(self, hold: KVCRPoolHold) -> Grant:
+        """Claim ``hold``'s group again from a service started after the one that granted
+        it died, handing over the group file and the listener this process holds (blocking;
+        run by the hold's tie). The hold's lease becomes the new one."""
+        grant, group_fd, listener_fd = hold._grant, hold._group_fd(), hold._listener_fd
+        request = hold._request
+        if grant is None or request is None or group_fd is None or listener_fd is None:
+            raise KVCRServiceError("KVCRPoolHold: nothing to re-attach (released)")
+        what = f"claim of group {grant.guard_index}"
+        again = attrs.evolve(
+            request, reattach=True, control_port=grant.control_port, pid=os.getpid()
+        )
+        pidfd = os.pidfd_open(os.getpid())
+        try:
+            reply, _none, link = self._request_link(
+                again, [pidfd, group_fd, listener_fd], 0, min(self.timeout_s, REATTACH_TIMEOUT_S)
+            )
+        finally:
+            os.close(pidfd)
+        try:
+            granted = self._expect(reply, wire.ClaimGranted, what)
+            if granted.guard_index != grant.guard_index or granted.pools != grant.pools:
+                raise KVCRGuardProtocolError(
+                    f"guard service {self.socket_path}: {what} (re-attach): the grant names "
+                    f"group {granted.guard_index} pools {granted.pools}"
+                )
+        except BaseException:
+            link.close()
+            raise
+        hold._grant = attrs.evolve(granted, group_path=grant.group_path)
+        return _grant_of(granted, link)
 
     def _expect(self, reply: wire.Message, cls: type[_T], what: str) -> _T:
         if isinstance(reply, wire.ClaimRefused):
@@ -213,7 +269,7 @@ class KVCRClient:
             for (name, _, size), address in zip(granted.pools, mapping.pool_addresses)
         ]
         hold = KVCRPoolHold(LocalDramOptions(pools=pools))
-        hold._attach(self, granted, mapping, lock, listener_fd)
+        hold._attach(self, request, granted, mapping, lock, listener_fd)
         log.info(
             "guard_claimed",
             group=granted.guard_index,
@@ -230,6 +286,10 @@ class KVCRClient:
             log.warning("guard_release_failed", group=granted.guard_index, error=str(exc))
 
 
+def _grant_of(granted: wire.ClaimGranted, link: socket.socket) -> Grant:
+    return Grant(granted.lease, link, granted.heartbeat_ms / 1000)
+
+
 _live_holds: weakref.WeakSet[KVCRPoolHold] = weakref.WeakSet()
 
 
@@ -244,7 +304,9 @@ class KVCRPoolHold:
     def __init__(self, local_dram: LocalDramOptions) -> None:
         self.local_dram = local_dram
         self._client: KVCRClient | None = None
+        self._request: wire.ClaimRequest | None = None
         self._grant: wire.ClaimGranted | None = None
+        self._tie: Tie | None = None  # the lease's link to the service
         self._mapping: GroupMapping | None = None
         self._lock: GroupFile | None = None
         self._listener_fd: int | None = None
@@ -254,12 +316,13 @@ class KVCRPoolHold:
     def _attach(
         self,
         client: KVCRClient,
+        request: wire.ClaimRequest,
         grant: wire.ClaimGranted,
         mapping: GroupMapping,
         lock: GroupFile,
         listener_fd: int,
     ) -> None:
-        self._client, self._grant, self._mapping = client, grant, mapping
+        self._client, self._request, self._grant, self._mapping = client, request, grant, mapping
         self._lock, self._listener_fd = lock, listener_fd
         _live_holds.add(self)
 
@@ -300,6 +363,15 @@ class KVCRPoolHold:
     @property
     def released(self) -> bool:
         return self._released
+
+    @property
+    def tie(self) -> Tie | None:
+        """The lease's link to the service (None: a hold no service lends); a KVCR runtime
+        keeps it (:meth:`Tie.keep`)."""
+        return self._tie
+
+    def _group_fd(self) -> int | None:
+        return None if self._lock is None or self._lock.closed else self._lock.fd
 
     def _check_owner(self, what: str) -> None:
         if os.getpid() != self._pid:
@@ -343,9 +415,17 @@ class KVCRPoolHold:
             self._listener_fd = None
         if self._lock is not None:
             self._lock.close()
-        if self._client is not None and self._grant is not None:
-            self._client.release(self._grant.guard_index, self._grant.lease, activated=activated)
-            log.info("guard_released", group=self._grant.guard_index, lease=self._grant.lease)
+        tie, self._tie = self._tie, None
+        if tie is not None:
+            tie.stop_thread()
+        try:
+            if self._client is not None and self._grant is not None:
+                grant = self._grant
+                self._client.release(grant.guard_index, grant.lease, activated=activated)
+                log.info("guard_released", group=grant.guard_index, lease=grant.lease)
+        finally:
+            if tie is not None:
+                tie.close()
 
     def __repr__(self) -> str:
         if self._grant is None:
@@ -365,6 +445,9 @@ def _after_fork_in_child() -> None:
             with contextlib.suppress(OSError):
                 os.close(hold._listener_fd)
             hold._listener_fd = None
+        if hold._tie is not None:
+            hold._tie.forget_in_child()
+            hold._tie = None
     _live_holds.clear()
 
 

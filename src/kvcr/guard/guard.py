@@ -1,16 +1,27 @@
 """One Guard per pool group: the group's file and mapping, its control listener (bound on the
-first claim, kept for the group's life), the watch on the current holder's pidfd, and,
-after a holder died, the server of its committed blocks (``serving.py``).
+first claim, kept for the group's life), the watch on the current holder (its pidfd, and its
+heartbeats with ``--heartbeat-timeout-ms``), and, after a holder died, the server of its
+committed blocks (``serving.py``).
 
 A Guard's moves are the group's moves in ``rules.py``; this module does the I/O around them.
 Its tasks run in the service's supervisor nursery: the holder watch (``run``), the journal
-follower (``follow``), and a served group's runtime with its watcher. A Guard that fails
-stops the service; a served group whose runtime fails only makes its group unusable.
+follower (``follow``), a detached group's wait for its worker (``wait_detached``), and a
+served group's runtime with its watcher. A Guard that fails stops the service; a served
+group whose runtime fails only makes its group unusable.
+
+Fencing a silent holder (``_fence_when_silent``): past the heartbeat deadline the holder is
+sent SIGKILL through its pidfd (a pidfd names one process, never a later one that reuses the
+pid); the lease ends only once the pidfd says the process has exited, so no takeover ever
+reads pools a live holder could still write. A process in uninterruptible I/O dies when the
+I/O ends: the Guard waits for it, and says so in the log once a second has passed.
 """
 
 from __future__ import annotations
 
+import fcntl
 import math
+import os
+import signal
 import socket
 from typing import Any
 
@@ -18,8 +29,9 @@ import attrs
 import trio
 
 from kvcr.guard import protocol as wire
+from kvcr.guard.heartbeat import Beats, Verdict
 from kvcr.guard.metrics import GroupTally
-from kvcr.guard.pools import GroupFile, map_group
+from kvcr.guard.pools import GroupFile, map_group, unheld
 from kvcr.guard.procs import close_quietly
 from kvcr.guard.rules import GroupEvent, Groups, GroupState, Lease
 from kvcr.guard.serving import CannotServe, GroupServer, Standby, group_memory
@@ -32,16 +44,30 @@ from kvcr.store.slots import slot_pools
 
 CONTROL_BACKLOG = 128
 FOLLOW_INTERVAL_S = 0.5
+DETACHED_POLL_S = 1.0  # how often a detached group checks whether its worker still maps it
+UNKILLABLE_AFTER_S = 1.0  # a fenced holder still alive this long after SIGKILL is logged
 
 
 class Guard:
     def __init__(
-        self, index: int, file: GroupFile, groups: Groups, log: Any, tally: GroupTally | None = None
+        self,
+        index: int,
+        file: GroupFile | None,
+        groups: Groups,
+        log: Any,
+        tally: GroupTally | None = None,
+        heartbeat_timeout_s: float | None = None,
     ) -> None:
+        """``file``: the group's file (None: a live worker maps a file of other flags under
+        the group's name, and the group is never lent: ``Groups.detach``);
+        ``heartbeat_timeout_s``: fence a holder that beats no sooner (None: holders are
+        fenced by their exit alone)."""
         self.index = index
         self.tally = tally if tally is not None else GroupTally()  # for the metrics
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.beats: Beats | None = None  # the current lease's, with a heartbeat timeout
         self.file = file
-        self.mapping = map_group(file.fd, file.layout)
+        self.mapping = map_group(file.fd, file.layout) if file is not None else None
         self.server: GroupServer | None = None
         self.groups = groups
         self.log = log.bind(group=index)
@@ -55,11 +81,13 @@ class Guard:
         # Servers started and not known to have stopped in order: one that did not keeps
         # the group mapped at service stop (a transfer of it may still read the pools).
         self._servers: list[GroupServer] = []
-        journal_offset, journal_size = file.layout.journal
-        self.follower = Follower(
-            memoryview(self.mapping.mmap)[journal_offset : journal_offset + journal_size],
-            self._replay_state,
-        )
+        self.follower: Follower | None = None
+        if self.mapping is not None:
+            journal_offset, journal_size = self.mapping.layout.journal
+            self.follower = Follower(
+                memoryview(self.mapping.mmap)[journal_offset : journal_offset + journal_size],
+                self._replay_state,
+            )
         self.journal: Replay | None = None  # what the follower saw last
         self._following = trio.Lock()  # one poll at a time: a takeover takes the state
         # A transport opened over the pools while the group is held, for the next takeover.
@@ -70,7 +98,7 @@ class Guard:
         """What the follower replays into: a block index over the group's pools, which a
         takeover hands to the server as it stands (a dict until the group has terms)."""
         terms = self.groups[self.index].terms
-        if terms is None:
+        if terms is None or self.mapping is None:
             return DictState()
         memory = group_memory(terms, self.mapping)
         pools = slot_pools(memory.pool_names, memory.block_sizes, memory.pool_slots)
@@ -97,7 +125,10 @@ class Guard:
         return self.listener
 
     def watch(self, lease: Lease, pidfd: int) -> None:
-        """Fence ``lease`` by ``pidfd`` (now owned by the Guard) until it ends."""
+        """Fence ``lease`` by ``pidfd`` (now owned by the Guard) until it ends: its exit, and
+        its heartbeats if the service requires them (the grant counts as the first beat)."""
+        if self.heartbeat_timeout_s is not None:
+            self.beats = Beats(self.heartbeat_timeout_s, trio.current_time())
         try:
             self._send.send_nowait((lease, pidfd))
         except BaseException:
@@ -120,27 +151,137 @@ class Guard:
                     if current is not None and current.number == lease.number:
                         if self.nursery is not None:
                             self.nursery.start_soon(self._open_standby)
-                        await trio.lowlevel.wait_readable(pidfd)
+                        async with trio.open_nursery() as watch:
+                            if self.beats is not None:
+                                watch.start_soon(self._fence_when_silent, lease, pidfd)
+                            await trio.lowlevel.wait_readable(pidfd)
+                            watch.cancel_scope.cancel()
                         exited = self.groups.end_lease(
                             self.index, lease.number, GroupEvent.HOLDER_EXIT
                         )
             finally:
                 self._watch = None
+                self.beats = None
                 close_quietly(pidfd)
             if exited:
                 self.log.info("lease_ended", lease=lease.number, pid=lease.pid, reason="exited")
                 async with self.lock:
                     await self._take_over()
 
+    def beat(self, lease: int, seq: int) -> Verdict | None:
+        """A heartbeat of ``lease`` arrived; None if it is not the lease being watched."""
+        current = self.groups[self.index].lease
+        beats = self.beats
+        if beats is None or current is None or current.number != lease:
+            return None
+        return beats.beat(seq, trio.current_time())
+
+    def last_beat_ms(self) -> int | None:
+        """How long ago the holder last beat (None: no holder, or no heartbeats)."""
+        beats = self.beats
+        if beats is None or self.groups[self.index].lease is None:
+            return None
+        return max(0, round(1000 * (trio.current_time() - beats.last)))
+
+    async def _fence_when_silent(self, lease: Lease, pidfd: int) -> None:
+        """Kill the holder once it misses its heartbeat deadline (see the module's docstring);
+        the caller's wait on the pidfd then ends the lease as after a crash."""
+        beats = self.beats
+        assert beats is not None
+        while True:
+            await trio.sleep_until(beats.deadline)
+            missed = beats.missed(trio.current_time())
+            if missed is not None:
+                break
+        if not self.groups.fence(self.index, lease.number):
+            return  # released meanwhile
+        self.tally.fenced += 1
+        self.log.warning(
+            "holder_fenced",
+            lease=lease.number,
+            pid=lease.pid,
+            missed_ms=round(1000 * missed),
+            timeout_ms=round(1000 * beats.timeout_s),
+            reason="no heartbeat from the holder's runtime in time: SIGKILL, then take over",
+        )
+        try:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        except ProcessLookupError:
+            return  # exited already: the pidfd is (or is about to be) readable
+        await trio.sleep(UNKILLABLE_AFTER_S)
+        self.log.warning(
+            "holder_unkillable",
+            lease=lease.number,
+            pid=lease.pid,
+            seconds=UNKILLABLE_AFTER_S,
+            reason="still alive after SIGKILL (uninterruptible I/O?); the lease ends when it exits",
+        )
+
+    async def wait_detached(self, interval_s: float = DETACHED_POLL_S) -> None:
+        """While the group is detached, check every ``interval_s`` whether any process still
+        maps its file; once none does, the worker exited without re-attaching: the group is
+        idle (its journal is what that worker left: an heir starts warm from it if valid)."""
+        file = self.file
+        assert file is not None, "a detached group has its file"
+        while self.groups[self.index].state is GroupState.DETACHED:
+            if unheld(file.path, file.fd):
+                async with self.lock:
+                    if self.groups[self.index].state is GroupState.DETACHED:
+                        self.groups.move(self.index, GroupEvent.ORPHANED)
+                        self._hold_file()
+                        self.log.info("detached_orphaned", reason="its worker exited")
+                return
+            await trio.sleep(interval_s)
+
+    def _hold_file(self) -> None:
+        """Take the service's shared lock on an adopted file (it holds none while detached,
+        so that a worker's exit shows as a lock nobody holds)."""
+        assert self.file is not None
+        fcntl.flock(self.file.fd, fcntl.LOCK_SH)
+
+    def reattach_refusal(self, group_fd: int, listener_fd: int, port: int) -> str | None:
+        """Why the descriptors of a re-attach are not this group's file and its listener
+        bound to ``port``; None if they are."""
+        assert self.file is not None, "a detached group has its file"
+        mine, theirs = os.fstat(self.file.fd), os.fstat(group_fd)
+        if (mine.st_dev, mine.st_ino) != (theirs.st_dev, theirs.st_ino):
+            return f"the attached file is not this service's {self.file.path}"
+        try:
+            probe = socket.socket(fileno=os.dup(listener_fd))
+        except OSError as exc:
+            return f"the attached listener is not a socket: {exc}"
+        with probe:
+            try:
+                listening = probe.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+                bound = probe.getsockname()
+            except OSError as exc:
+                return f"the attached listener cannot be read: {exc}"
+        if probe.type != socket.SOCK_STREAM or not listening:
+            return "the attached listener is not a listening stream socket"
+        if not isinstance(bound, tuple) or bound[1] != port:
+            return f"the attached listener is bound to {bound!r}, not to port {port}"
+        return None
+
+    def reattached(self, listener_fd: int) -> None:
+        """The detached group's worker re-attached (granted): keep its listener (for a
+        takeover after it dies), hold the file again, and follow its journal from scratch
+        (it writes a new snapshot once attached)."""
+        self.listener = socket.socket(fileno=os.dup(listener_fd))
+        self._hold_file()
+        assert self.follower is not None
+        self.follower.restart()
+        self.journal = None
+        self.tally.reattached += 1
+
     async def _open_standby(self) -> None:
         """Open a transport over the held group's pools, so that a takeover does not wait
         for NIXL set-up. A failure is logged: the takeover then opens its own."""
-        terms = self.groups[self.index].terms
-        if self._standby is not None or self._opening_standby or terms is None:
+        terms, mapping = self.groups[self.index].terms, self.mapping
+        if self._standby is not None or self._opening_standby or terms is None or not mapping:
             return
         self._opening_standby = True
         try:
-            standby = await trio.to_thread.run_sync(Standby.open, self.index, terms, self.mapping)
+            standby = await trio.to_thread.run_sync(Standby.open, self.index, terms, mapping)
         except Exception as exc:
             self.log.warning("standby_failed", error=repr(exc), reason="a takeover opens its own")
             return
@@ -159,6 +300,8 @@ class Guard:
             await trio.sleep(interval_s)
 
     async def _poll(self) -> Replay | None:
+        if self.follower is None:
+            return None
         async with self._following:
             try:
                 self.journal = await trio.to_thread.run_sync(self.follower.poll)
@@ -171,6 +314,8 @@ class Guard:
         """The group's journal replayed to its end (the tail since the last poll applied),
         for a server to take over; the follower starts afresh. None if it is no index."""
         replay = await self._poll()
+        if self.follower is None:
+            return None
         async with self._following:
             state = self.follower.state
             self.follower.restart()
@@ -199,6 +344,7 @@ class Guard:
         group = self.groups[self.index]
         if group.state is not GroupState.IDLE or group.terms is None or self.listener is None:
             return
+        assert self.mapping is not None, "a group that had a holder has its file"
         started = trio.current_time()
         assert self.nursery is not None, "the supervisor runs the Guard"
         followed = await self._followed()
@@ -281,6 +427,8 @@ class Guard:
         if server is None or position is None:
             return
         index = server.runtime.index
+        if self.follower is None:
+            return
         index.journal = None  # the follower replays into it from now on
         replayed = Replayed(index)
         replayed.g3.update(mirror.g3_records if mirror is not None else {})
@@ -293,14 +441,16 @@ class Guard:
 
     def close(self) -> None:
         """At service stop, once the supervisor nursery (and every server in it) is done:
-        close the listener, unmap, remove the group file. A group whose server did not stop
-        in order stays mapped until the process exits."""
+        close the listener, unmap, remove the group file unless a worker still maps it (a
+        restarted service lets that worker re-attach). A group whose server did not stop in
+        order stays mapped until the process exits."""
         kept = any(not s.clean for s in self._servers)
         try:
             if self.listener is not None:
                 self.listener.close()
                 self.listener = None
-            self.follower.release()
+            if self.follower is not None:
+                self.follower.release()
             if self._standby is not None:  # never used: deregistered before the unmap
                 self._standby.close()
                 self._standby = None
@@ -308,11 +458,29 @@ class Guard:
                 self.log.error("group_kept_mapped", reason="a server's transfer may still run")
                 return
             try:
-                self.mapping.close()
+                if self.mapping is not None:
+                    self.mapping.close()
             finally:
-                self.file.close(unlink=True)
+                self._close_file()
         finally:
             self.server = None
+
+    def _close_file(self) -> None:
+        """Close the group file; remove it unless a worker still maps it (a service
+        started with the same flags lets that worker re-attach)."""
+        file = self.file
+        if file is None or file.closed:
+            return
+        fcntl.flock(file.fd, fcntl.LOCK_UN)  # our own shared lock would hide a worker's
+        in_use = not unheld(file.path, file.fd)
+        if in_use:
+            self.log.warning(
+                "group_file_kept",
+                path=str(file.path),
+                reason="a worker still maps it; a service started with the same flags lets "
+                "it re-attach",
+            )
+        file.close(unlink=not in_use)
 
 
 def with_journal(status: wire.GroupStatus, replay: Replay | None) -> wire.GroupStatus:

@@ -8,8 +8,9 @@ reads the service's state on the service's own thread (no locks, no torn reads),
 supervised apart: if it cannot bind, or fails later, the service logs why and keeps lending
 pools (workers depend on the service; dashboards do not).
 
-Labels are bounded: a group's index (at most ``MAX_GROUPS``), its state (five values), a
-refusal's code (the fixed set of ``Refusal`` codes). Never pids, paths or endpoints.
+Labels are bounded: a group's index (at most ``MAX_GROUPS``), its state (seven values), a
+refusal's code (the fixed set of ``Refusal`` codes), an ignored heartbeat's kind (four).
+Never pids, paths or endpoints.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class GroupTally:
     handbacks: int = 0
     claims_granted: int = 0
     served_blocks: int = 0  # written to peers by the servers of this group that ended
+    fenced: int = 0  # holders killed for missing their heartbeat deadline
+    reattached: int = 0  # workers of a dead service that re-attached the group
 
 
 @attrs.define
@@ -50,6 +53,8 @@ class Tally:
 
     groups: list[GroupTally]
     refusals: collections.Counter[str] = attrs.field(factory=collections.Counter)
+    # Heartbeats turned away, by kind: heartbeat.Verdict's, "no_claim", "wrong_lease".
+    heartbeats_refused: collections.Counter[str] = attrs.field(factory=collections.Counter)
     started: float = attrs.field(factory=time.time)
 
     @classmethod
@@ -118,6 +123,16 @@ class ServiceCollector(Collector):
             "Blocks the service wrote to peers while serving the group.",
             labels=group,
         )
+        fenced = CounterMetricFamily(
+            "kvcr_guard_fenced",
+            "Holders SIGKILLed for missing their heartbeat deadline, then taken over.",
+            labels=group,
+        )
+        reattached = CounterMetricFamily(
+            "kvcr_guard_reattached",
+            "Workers of a service that died that re-attached the group to this one.",
+            labels=group,
+        )
         for reading in readings:
             status = reading.status
             index = str(status.index)
@@ -134,13 +149,23 @@ class ServiceCollector(Collector):
             handbacks.add_metric([index], counts.handbacks)
             granted.add_metric([index], counts.claims_granted)
             served.add_metric([index], counts.served_blocks + reading.serving_blocks)
+            fenced.add_metric([index], counts.fenced)
+            reattached.add_metric([index], counts.reattached)
         refused = CounterMetricFamily(
             "kvcr_guard_claims_refused", "Claims refused, by the refusal's code.", labels=["reason"]
         )
         for reason, count in sorted(tally.refusals.items()):
             refused.add_metric([reason], count)
         yield from (state, holder, blocks, fill, disabled, takeovers, handbacks, granted, served)
-        yield refused
+        yield from (fenced, reattached, refused)
+        beats = CounterMetricFamily(
+            "kvcr_guard_heartbeats_refused",
+            "Heartbeats ignored or refused, by kind (duplicate, early, no_claim, wrong_lease).",
+            labels=["reason"],
+        )
+        for reason, count in sorted(tally.heartbeats_refused.items()):
+            beats.add_metric([reason], count)
+        yield beats
 
 
 def registry_of(collector: Collector) -> CollectorRegistry:

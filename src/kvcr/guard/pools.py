@@ -349,6 +349,44 @@ def reclaim_orphans(directory: Path) -> tuple[list[Path], list[Path]]:
     return reclaimed, kept
 
 
+def unheld(path: Path, fd: int) -> bool:
+    """Whether no process holds a lock on the group file open as ``fd`` (the caller holds
+    none on it). Probed through a description of its own: a lock on it is never ours."""
+    probe = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+    finally:
+        os.close(probe)  # drops the probe's lock, if it got one
+
+
+def adopt_group_file(directory: Path, index: int, layout: GroupLayout) -> GroupFile:
+    """Open ``kvcr-group-<index>.pool``, which a live worker of an earlier service still
+    maps, without locking it (see :meth:`Guard.wait_detached`). Raises ValueError naming the
+    file and both sizes if it does not have ``layout``'s size (the earlier service had other
+    ``--pool-sizes-gb``), OSError if it cannot be opened."""
+    path = group_file_path(directory, index)
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"group file {path} is not a regular file")
+        if st.st_size != layout.total_size:
+            raise ValueError(
+                f"group file {path} is {st.st_size} bytes, a live worker still maps it, and "
+                f"this service's {POOL_SIZES_FLAG} make groups of {layout.total_size} bytes"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    adopted = GroupFile(path=path, layout=layout, fd=fd)
+    _live_files.add(adopted)
+    return adopted
+
+
 def _after_fork_in_child() -> None:
     for group in list(_live_files):
         group._drop_in_child()

@@ -7,12 +7,17 @@ and anything else is a :class:`~kvcr.errors.KVCRMsgFramingError` naming the prob
 message type and the field path. A :class:`FrameReader` that raised stays failed: the
 connection must be closed, since the stream position can no longer be trusted.
 
-Flow (one request, one reply, on a Unix stream socket)::
+Flow (one request, one reply, on a Unix stream socket; a granted claim's connection stays
+open for the lease's life and carries the holder's heartbeats)::
 
     worker (KVCRClient)                                 guard service
     ClaimRequest(index, layouts, digest, ...) ────────▶ check digest, layout, g3, pidfd
               ◀──────────────── ClaimGranted + SCM_RIGHTS [group fd, control listener fd]
               ◀──────────────── ClaimRefused(code, message)          (nothing passed)
+    Heartbeat(index, lease, seq) ─────────────────────▶ (on the granted claim's connection,
+    Heartbeat(index, lease, seq + 1) ─────────────────▶  open for the lease's life; no reply)
+    ClaimRequest(reattach=True) + [pidfd, group fd, listener fd] ──▶ a group a dead service lent
+              ◀──────────────── ClaimGranted (nothing passed: the holder has both already)
     Release(index, lease, activated) ─────────────────▶ unmap, fence the lease
               ◀──────────────────────────────────────── ReleaseAck(index, lease)
     StatusRequest() ──────────────────────────────────▶
@@ -64,8 +69,10 @@ REFUSAL_CODES = (
     "control_unavailable",
     "bad_request",
     "permission_denied",
+    "not_detached",
 )
-GROUP_STATES = ("idle", "held", "serving", "handing_back", "unusable")
+GROUP_STATES = ("idle", "held", "serving", "handing_back", "unusable", "fencing", "detached")
+MAX_HEARTBEAT_MS = 3_600_000
 
 
 # --- validators (run on construction, so in-code and decoded values obey the same rules) ---
@@ -229,6 +236,9 @@ class ClaimRequest:
     control_advertise: str | None = attrs.field(
         default=None, validator=attrs.validators.optional(_str(1, MAX_HOST))
     )
+    # Re-attach a group this process still maps, lent by a service that has since died: the
+    # group file and the control listener travel after the pidfd (SCM_RIGHTS).
+    reattach: bool = attrs.field(default=False, validator=_bool)
 
 
 @attrs.frozen
@@ -247,6 +257,20 @@ class ClaimGranted:
     group_path: str = attrs.field(validator=_str(1, MAX_PATH))
     control_host: str = attrs.field(validator=_str(1, MAX_HOST))
     control_port: int = attrs.field(validator=_bound_port)
+    # How often the holder's runtime beats on this connection (0: the service fences by
+    # process exit alone, and no beats are expected).
+    heartbeat_ms: int = attrs.field(default=0, validator=_int(0, MAX_HEARTBEAT_MS))
+
+
+@attrs.frozen
+class Heartbeat:
+    """The holder of ``lease`` is alive: sent on the claim's connection, which stays open
+    for the lease's life; ``seq`` grows by one per beat. No reply."""
+
+    TYPE: ClassVar[str] = "beat"
+    guard_index: int = attrs.field(validator=_index)
+    lease: int = attrs.field(validator=_u64)
+    seq: int = attrs.field(validator=_u64)
 
 
 @attrs.frozen
@@ -289,6 +313,10 @@ class GroupStatus:
     journal_fill_percent: int | None = attrs.field(default=None, validator=_optional_int(0, 100))
     journal_blocks: int | None = attrs.field(default=None, validator=_optional_int(0, U64 - 1))
     recovery_disabled: bool = attrs.field(default=False, validator=_bool)
+    # Holders of this group fenced for missed heartbeats since the service started, and how
+    # long ago the current holder last beat (None: no holder, or no heartbeat required).
+    fenced: int = attrs.field(default=0, validator=_u64)
+    last_beat_ms: int | None = attrs.field(default=None, validator=_optional_int(0, U64 - 1))
 
 
 @attrs.frozen
@@ -309,13 +337,21 @@ def _expect(name: str, value: Any, cls: type) -> None:
 
 
 Message = (
-    ClaimRequest | ClaimGranted | ClaimRefused | Release | ReleaseAck | StatusRequest | StatusReply
+    ClaimRequest
+    | ClaimGranted
+    | Heartbeat
+    | ClaimRefused
+    | Release
+    | ReleaseAck
+    | StatusRequest
+    | StatusReply
 )
 TYPES: dict[str, type] = {
     cls.TYPE: cls
     for cls in (
         ClaimRequest,
         ClaimGranted,
+        Heartbeat,
         ClaimRefused,
         Release,
         ReleaseAck,

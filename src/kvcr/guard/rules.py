@@ -14,6 +14,15 @@ then stops serving and hands the state back (``handing_back``) before the new le
 A server that cannot stop in order (a transfer of it may still read the pools), or whose
 runtime fails, leaves the group ``unusable``: it is never lent again by this service.
 
+With ``--heartbeat-timeout-ms`` the holder's runtime must also beat on its claim's
+connection; a holder silent for longer is *fenced*: the service SIGKILLs it (``fencing``)
+and, once its process has exited, ends the lease as after any other exit and takes over.
+
+A service that starts and finds a group file still mapped by a live worker (the service
+before it died) adopts it ``detached``: nobody can claim it until that worker *re-attaches*
+(a claim with ``reattach`` that hands over the file and the listener it holds), which fixes
+the group's terms again; if the worker exits first, the group becomes ``idle``.
+
 Every legal move of a group is in the table :data:`GROUP` (:mod:`kvcr.statetable`);
 anything else is a bug and raises :class:`~kvcr.statetable.IllegalMove`. A refused claim
 changes nothing.
@@ -38,11 +47,14 @@ class GroupState(StrEnum):
     SERVING = "serving"
     HANDING_BACK = "handing_back"
     UNUSABLE = "unusable"
+    FENCING = "fencing"
+    DETACHED = "detached"
 
 
 class GroupEvent(StrEnum):
     """What happens to a group: a claim, its holder's release or exit, the service's own
-    moves (takeover, stop, unsafe, handed back)."""
+    moves (takeover, stop, unsafe, handed back, fence), and a detached group's worker
+    re-attaching or exiting (orphaned)."""
 
     CLAIM = "claim"
     TAKEOVER = "takeover"
@@ -51,6 +63,9 @@ class GroupEvent(StrEnum):
     STOP = "stop"
     UNSAFE = "unsafe"
     HANDED_BACK = "handed_back"
+    FENCE = "fence"
+    REATTACH = "reattach"
+    ORPHANED = "orphaned"
 
 
 _S, _E = GroupState, GroupEvent
@@ -58,10 +73,13 @@ GROUP: Table[GroupState, GroupEvent] = Table(
     "guard group",
     {
         _S.IDLE: {_E.CLAIM: _S.HELD, _E.TAKEOVER: _S.SERVING},
-        _S.HELD: {_E.RELEASE: _S.IDLE, _E.HOLDER_EXIT: _S.IDLE},
+        _S.HELD: {_E.RELEASE: _S.IDLE, _E.HOLDER_EXIT: _S.IDLE, _E.FENCE: _S.FENCING},
+        # SIGKILL sent; the lease ends when the process has exited (or released meanwhile).
+        _S.FENCING: {_E.HOLDER_EXIT: _S.IDLE, _E.RELEASE: _S.IDLE},
         _S.SERVING: {_E.CLAIM: _S.HANDING_BACK, _E.STOP: _S.IDLE, _E.UNSAFE: _S.UNUSABLE},
         _S.HANDING_BACK: {_E.HANDED_BACK: _S.HELD, _E.STOP: _S.IDLE, _E.UNSAFE: _S.UNUSABLE},
         _S.UNUSABLE: {},
+        _S.DETACHED: {_E.REATTACH: _S.HELD, _E.ORPHANED: _S.IDLE},
     },
 )
 CLAIMABLE = frozenset({GroupState.IDLE, GroupState.SERVING})
@@ -153,13 +171,17 @@ class Groups:
                 f"indices 0..{len(self.groups) - 1}",
             )
         group = self.groups[request.guard_index]
-        if group.state is GroupState.UNUSABLE:
+        if request.reattach or group.state is GroupState.DETACHED:
+            refusal = _check_reattach(what, group, request.reattach)
+            if refusal is not None:
+                return refusal
+        elif group.state is GroupState.UNUSABLE:
             return Refusal(
                 "held",
                 f"{what}: the group cannot be lent again ({group.unusable_reason}); restart "
                 "the service to reuse it",
             )
-        if group.state not in CLAIMABLE:
+        elif group.state not in CLAIMABLE:
             holder = f" by pid {group.lease.pid}" if group.lease else ""
             return Refusal(
                 "held",
@@ -242,10 +264,15 @@ class Groups:
 
     def grant(self, request: ClaimRequest, control_port: int) -> Lease:
         """Lend the group (check_claim returned None, and a serving group was handed back
-        first); ``control_port`` is its bound listener."""
+        first); ``control_port`` is its bound listener. A re-attach fixes the terms anew:
+        the service that fixed them before is gone."""
         group = self.groups[request.guard_index]
-        handing_back = group.state is GroupState.HANDING_BACK
-        group.move(GroupEvent.HANDED_BACK if handing_back else GroupEvent.CLAIM)
+        if request.reattach:
+            group.move(GroupEvent.REATTACH)
+            group.terms = None
+        else:
+            handing_back = group.state is GroupState.HANDING_BACK
+            group.move(GroupEvent.HANDED_BACK if handing_back else GroupEvent.CLAIM)
         if group.terms is None:
             group.terms = Terms(
                 layouts=tuple(request.pool_layouts),
@@ -263,6 +290,25 @@ class Groups:
         """A move the service makes itself: ``takeover``, ``claim`` of a serving group (it
         is being handed back), ``stop``."""
         self.groups[index].move(event)
+
+    def detach(self, index: int, reason: str | None = None) -> None:
+        """At start: the group's file is mapped by a live worker of a dead service (its
+        terms are unknown until that worker re-attaches). With ``reason``, the file does not
+        fit this service's flags: the group can never be lent by it."""
+        group = self.groups[index]
+        if reason is None:
+            group.state = GroupState.DETACHED
+        else:
+            group.state, group.unusable_reason = GroupState.UNUSABLE, reason
+
+    def fence(self, index: int, lease: int) -> bool:
+        """Start fencing ``lease`` (its holder missed its heartbeat deadline); False if it
+        already ended."""
+        group = self.groups[index]
+        if group.lease is None or group.lease.number != lease or group.state is not _S.HELD:
+            return False
+        group.move(GroupEvent.FENCE)
+        return True
 
     def mark_unusable(self, index: int, reason: str) -> None:
         """The group's server could not stop in order (or failed): never lend it again."""
@@ -304,3 +350,21 @@ class Groups:
             )
             for g in self.groups
         ]
+
+
+def _check_reattach(what: str, group: Group, reattach: bool) -> Refusal | None:
+    """A detached group takes re-attaches only, and only a detached group takes them."""
+    if group.state is GroupState.DETACHED and not reattach:
+        return Refusal(
+            "held",
+            f"{what}: a live worker of the service that ran before still maps the group; it "
+            "re-attaches on its own, and the group is free once that worker exits",
+        )
+    if group.state is not GroupState.DETACHED:
+        return Refusal(
+            "not_detached",
+            f"{what} (re-attach): this service did not find the group mapped by a live "
+            f"worker when it started (the group is {group.state}): it lends a new file, "
+            "so restart the engine to claim it afresh",
+        )
+    return None

@@ -5,8 +5,12 @@ Startup, in this order, so that no worker ever sees a half-built service:
 1. take the socket's lock file (``<socket>.lock``): one service per socket path;
 2. replace a stale socket (nobody listening), refuse a live one;
 3. reclaim group files that a dead service left in ``--pool-dir`` (nobody holds their lock);
-4. create every group file, fully allocated (a full disk fails here, never as a SIGBUS later);
-5. bind and listen on the Unix socket (mode 0600).
+4. adopt, *detached*, the group files a dead service left that a live worker still maps (that
+   worker re-attaches; the file is never touched meanwhile); a file of other
+   ``--pool-sizes-gb`` makes its group unusable for this service, with the reason;
+5. create every other group file, fully allocated (a full disk fails here, never as a SIGBUS
+   later);
+6. bind and listen on the Unix socket (mode 0600).
 
 Then one supervisor nursery runs a :class:`Guard` task per group, which watches the
 holder's pidfd, and the accept loop, which serves each connection in a task of its own
@@ -38,8 +42,15 @@ from kvcr.guard.metrics import (
     Tally,
     registry_of,
 )
-from kvcr.guard.pools import create_group_file, plan_group, reclaim_orphans
-from kvcr.guard.rules import Groups
+from kvcr.guard.pools import (
+    GroupFile,
+    adopt_group_file,
+    create_group_file,
+    group_file_path,
+    plan_group,
+    reclaim_orphans,
+)
+from kvcr.guard.rules import Groups, GroupState
 
 
 class ServiceStartError(RuntimeError):
@@ -58,6 +69,7 @@ class ServiceConfig:
     huge_page_size: int | None = None  # --huge-pages: the pools' page size (hugetlbfs)
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # --metrics-port: serve Prometheus metrics (0: any port)
+    heartbeat_timeout_s: float | None = None  # --heartbeat-timeout-ms: fence silent holders
 
 
 class GuardService:
@@ -79,6 +91,7 @@ class GuardService:
             config.idle_timeout_s,
             config.allowed_gid,
             log,
+            heartbeat=config.heartbeat_timeout_s is not None,
         )
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -93,6 +106,8 @@ class GuardService:
                     guard.nursery = supervisor
                     supervisor.start_soon(self._supervise, guard)
                     supervisor.start_soon(guard.follow)
+                    if self.groups[guard.index].state is GroupState.DETACHED:
+                        supervisor.start_soon(guard.wait_detached)
                 supervisor.start_soon(self.connections.accept, self._listener, supervisor)
                 if self.config.metrics_port is not None:
                     await self._start_metrics(supervisor)
@@ -102,6 +117,9 @@ class GuardService:
                     groups=self.config.guard_count,
                     pools=len(self.config.pool_sizes),
                     group_bytes=self.layout.total_size,
+                    heartbeat_timeout_ms=None
+                    if self.config.heartbeat_timeout_s is None
+                    else round(1000 * self.config.heartbeat_timeout_s),
                 )
                 task_status.started(self)
         finally:
@@ -153,24 +171,27 @@ class GuardService:
         reclaimed, kept = reclaim_orphans(cfg.pool_dir)
         for path in reclaimed:
             self.log.info("orphan_reclaimed", path=str(path))
+        held = {group_file_path(cfg.pool_dir, i): i for i in range(cfg.guard_count)}
         for path in kept:
-            self.log.warning("group_file_in_use", path=str(path))
+            if path not in held:
+                self.log.warning("group_file_in_use", path=str(path), reason="not a group here")
         for index in range(cfg.guard_count):
-            try:
-                group_file = create_group_file(cfg.pool_dir, index, self.layout, cfg.allowed_gid)
-            except FileExistsError:
-                raise ServiceStartError(
-                    f"--pool-dir {cfg.pool_dir}: group file for group {index} exists and a live "
-                    "process holds it (another service, or a worker of a dead one)"
-                ) from None
-            except OSError as exc:
-                raise ServiceStartError(f"--pool-dir {cfg.pool_dir}: {exc}") from None
+            path = group_file_path(cfg.pool_dir, index)
+            group_file = self._adopt(index) if path in kept else self._create(index)
             try:
                 self.guards.append(
-                    Guard(index, group_file, self.groups, self.log, self.tally.groups[index])
+                    Guard(
+                        index,
+                        group_file,
+                        self.groups,
+                        self.log,
+                        self.tally.groups[index],
+                        cfg.heartbeat_timeout_s,
+                    )
                 )
             except BaseException:
-                group_file.close(unlink=True)
+                if group_file is not None:
+                    group_file.close(unlink=path not in kept)
                 raise
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -198,6 +219,41 @@ class GuardService:
             page_bytes=cfg.huge_page_size or os.sysconf("SC_PAGE_SIZE"),
             huge_pages=cfg.huge_page_size is not None,
         )
+
+    def _create(self, index: int) -> GroupFile:
+        cfg = self.config
+        try:
+            return create_group_file(cfg.pool_dir, index, self.layout, cfg.allowed_gid)
+        except FileExistsError:
+            raise ServiceStartError(
+                f"--pool-dir {cfg.pool_dir}: group file for group {index} appeared while the "
+                "service started (another process writes this directory)"
+            ) from None
+        except OSError as exc:
+            raise ServiceStartError(f"--pool-dir {cfg.pool_dir}: {exc}") from None
+
+    def _adopt(self, index: int) -> GroupFile | None:
+        """The group file a live worker of a dead service still maps: adopted detached, or
+        None (the group unusable here) if it does not fit this service's flags."""
+        path = group_file_path(self.config.pool_dir, index)
+        try:
+            adopted = adopt_group_file(self.config.pool_dir, index, self.layout)
+        except (OSError, ValueError) as exc:
+            reason = (
+                f"{exc}; restart the service with the flags of the one that created it, or "
+                "stop the worker that maps it"
+            )
+            self.groups.detach(index, reason)
+            self.log.error("group_file_unfit", group=index, path=str(path), reason=reason)
+            return None
+        self.groups.detach(index)
+        self.log.warning(
+            "group_detached",
+            group=index,
+            path=str(path),
+            reason="a live worker of the service that ran before maps it; it can re-attach",
+        )
+        return adopted
 
     def _lock_socket(self, path: Path) -> None:
         lock_path = f"{path}.lock"

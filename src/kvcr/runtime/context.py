@@ -5,13 +5,14 @@
   part the fields that part names in its constructor, never the whole value.
 - :class:`Shared`: what crosses the boundary between the engine's threads and the runtime's,
   each piece with one writer per direction (see its fields). Nothing else crosses it.
-- :class:`Journal`: a guard pool group's recovery journal, handed to the runtime.
+- :class:`Journal`: a guard pool group's recovery journal, handed to the runtime, and the
+  hold's link to the service (:class:`GuardTie`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 
@@ -77,3 +78,13 @@ class Journal:
     # Replayed ahead of time (the guard follows every held group's journal): the runtime
     # takes its index over instead of replaying.
     followed: Followed | None = None
+    # The lease's link to the service (a worker's hold): the runtime keeps it from its loop.
+    tie: GuardTie | None = None
+
+
+class GuardTie(Protocol):
+    """A hold's link to the guard service (``guard/lease_link.py``), as the runtime uses
+    it: it beats from the runtime's loop, calls ``lost()`` when the service is gone and
+    ``back()`` once a restarted one let the group re-attach."""
+
+    async def keep(self, lost: Callable[[], None], back: Callable[[], None]) -> None: ...

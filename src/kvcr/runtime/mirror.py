@@ -14,6 +14,11 @@ costs no write of the whole state, and the guard's follower simply goes on); oth
 starts a new epoch with a snapshot. If the journal cannot hold even a snapshot
 of the live state, recovery is disabled for the group (logged as ``KVCR pool recovery
 disabled``) and the worker goes on; it is enabled again once a snapshot fits.
+
+When the guard service is lost (``guard_lost``), the mirror *detaches*: it marks the journal
+as holding nothing (a reader that replayed it from now on would trust slots that no longer
+hold what it says) and writes nothing more, though it keeps track of the G3 records for the
+snapshot it writes when a restarted service lets the worker re-attach.
 """
 
 from __future__ import annotations
@@ -66,13 +71,37 @@ class Mirror(journal.Writer):
         """Blocks committed in G3 (``values``: slot, generation each)."""
         for key, vals in zip(keys, values):
             self._kept[key] = journal.Residency(journal.PUT_G3, vals)
-        self.put_batch(keys, values, journal.PUT_G3)
+        if not self.stopped:
+            self.put_batch(keys, values, journal.PUT_G3)
 
     def g3_removed_many(self, keys: list[BlockKey]) -> None:
         """Blocks that left G3 (those it never held are ignored)."""
         gone = [k for k in keys if self._kept.pop(k, None) is not None]
-        if gone:
+        if gone and not self.stopped:
             self.remove_batch(gone, journal.REMOVE_G3)
+
+    @property
+    def recording(self) -> bool:
+        """Whether an heir could start warm from the journal as it stands."""
+        return not (self.disabled or self.stopped)
+
+    def detach(self) -> None:
+        """The guard service is gone: stop journaling (see the module's docstring)."""
+        self._put_keys, self._put_slots, self._removed = [], [], []
+        self.stop()
+        self.log.error(
+            "KVCR pool recovery disabled",
+            group=self.group,
+            blocks=len(self._index),
+            reason="the guard service is gone; recovery is on again once it is re-attached",
+        )
+
+    def attach(self) -> None:
+        """Re-attached to a service: journal again, from a snapshot of the live state."""
+        if self.resume():
+            self.log.warning("KVCR pool recovery enabled again", group=self.group)
+        else:
+            self._disabled()
 
     def snapshot(self) -> bytes:
         """The live state from the index's arrays, no object per block."""
@@ -86,12 +115,16 @@ class Mirror(journal.Writer):
         return 100.0 * self.fill
 
     def committed(self, key: BlockKey, slots: tuple[int, ...]) -> None:
+        if self.stopped:
+            return
         if self._removed:
             self._drain()
         self._put_keys.append(key)
         self._put_slots.append(np.array([slots], dtype=np.uint64))
 
     def committed_many(self, keys: list[BlockKey], slots: np.ndarray) -> None:
+        if self.stopped:
+            return
         if self._removed:
             self._drain()
         self._put_keys.extend(keys)
@@ -99,11 +132,15 @@ class Mirror(journal.Writer):
         self._put_slots.append(np.asarray(slots, dtype=np.uint64))
 
     def removed(self, key: BlockKey) -> None:
+        if self.stopped:
+            return
         if self._put_keys:
             self._drain()
         self._removed.append(key)
 
     def removed_many(self, keys: list[BlockKey]) -> None:
+        if self.stopped:
+            return
         if self._put_keys:
             self._drain()
         self._removed.extend(keys)
@@ -118,6 +155,8 @@ class Mirror(journal.Writer):
             self._removed = []
 
     def flush(self) -> bool:
+        if self.stopped:
+            return False
         self._drain()
         was = self.disabled
         ok = super().flush()

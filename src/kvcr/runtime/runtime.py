@@ -88,6 +88,7 @@ class Runtime:
         self.g3_view = shared.g3_view
         self.journal = journal  # the guard group's recovery journal, owned from here on
         self.mirror: Mirror | None = None
+        self.guard_attached = journal is not None  # until its tie says the service is gone
         self._transport_factory = transport_factory
         self.transport: Transport | None = None
         self.transfers: Transfers[Transport] | None = None
@@ -191,6 +192,8 @@ class Runtime:
                 root.start_soon(self.transfers.run)
                 if self.context.g3 is not None and self.tiers.local is not None:
                     await self._start_g3(root, self.tiers.local, fine)
+                if self.journal is not None and self.journal.tie is not None:
+                    root.start_soon(self.journal.tie.keep, self._guard_lost, self._guard_back)
                 pins = self.pins = Pins(self.shared.calls, self.shared.answers, self.log)
                 root.start_soon(pins.run)
                 if self.context.control is not None:
@@ -318,6 +321,18 @@ class Runtime:
             keys, _ = self.index.ready_records()
             self.shared.calls.inventory(InventoryEvent(tuple(keys), CacheTier.LOCAL_G2, False))
 
+    def _guard_lost(self) -> None:
+        """The guard service is gone: serving goes on, the journal stops (``mirror.py``)."""
+        self.guard_attached = False
+        if self.mirror is not None:
+            self.mirror.detach()
+
+    def _guard_back(self) -> None:
+        """Re-attached to a restarted service: journal again, from a snapshot."""
+        self.guard_attached = True
+        if self.mirror is not None:
+            self.mirror.attach()
+
     async def _start_peers(self, nursery: trio.Nursery, transport: Transport, pins: Pins) -> None:
         assert self.transfers is not None
         peers = self.peers = Peers.assemble(
@@ -408,7 +423,15 @@ class Runtime:
             "ops_in_flight": len(self.ops),
             "transfers_in_flight": self.transfers.in_flight if self.transfers else 0,
             "release_handles": len(self.shared.live_handles),
-            **({"journal_fill_percent": self.mirror.fill_percent} if self.mirror else {}),
+            **(self._recovery_gauges() if self.mirror else {}),
             **(self.g3.gauges() if self.g3 is not None else {}),
             **(self.peers.gauges() if self.peers is not None else {}),
+        }
+
+    def _recovery_gauges(self) -> dict[str, float]:
+        assert self.mirror is not None
+        return {
+            "journal_fill_percent": self.mirror.fill_percent,
+            "recovery_disabled": 0.0 if self.mirror.recording else 1.0,
+            "guard_attached": 1.0 if self.guard_attached else 0.0,
         }

@@ -79,6 +79,7 @@ class Writer:
         self._pos = 0
         self._seq = 0
         self.disabled = False
+        self.stopped = False  # stop(): nothing is written until resume()
         self._disabled_at = 0  # snapshot bytes that did not fit
         self._pending_at_disable = 0
         self.compactions = 0
@@ -98,8 +99,8 @@ class Writer:
 
     @property
     def fill(self) -> float:
-        """Fraction of the active half in use (1.0 while disabled)."""
-        return 1.0 if self.disabled else self._pos / self.half
+        """Fraction of the active half in use (1.0 while disabled or stopped)."""
+        return 1.0 if self.disabled or self.stopped else self._pos / self.half
 
     def put(self, key: bytes, values: tuple[int, ...], tier: int = PUT_G2) -> None:
         """Record ``key`` at ``values``. A key the journal cannot describe (over 65,535
@@ -148,7 +149,24 @@ class Writer:
             self.last_refusal = exc
             return None
 
+    def stop(self) -> None:
+        """Stop journaling: drop what is buffered and publish a header with no active half,
+        so that no reader replays what this journal held (it would go stale from now on)."""
+        self._pending.clear()
+        self._write_header(NO_HALF)
+        self.stopped = True
+
+    def resume(self) -> bool:
+        """Journal again, from a snapshot of the live state under a new epoch (False: it
+        does not fit, and recovery is disabled as after any such snapshot)."""
+        self.stopped = False
+        self._pending.clear()
+        return self._compact()
+
     def flush(self) -> bool:
+        if self.stopped:
+            self._pending.clear()
+            return False
         if not self._pending:
             return not self.disabled
         payload = bytes(self._pending)
@@ -196,7 +214,7 @@ class Writer:
     def position(self) -> Position | None:
         """Where the journal stands after the last flush (None while recovery is
         disabled): a reader that replayed up to here may hand it to the next writer."""
-        if self.disabled or self._pending:
+        if self.disabled or self.stopped or self._pending:
             return None
         return Position(self._counter - 1, self._epoch, self._active, self._pos, self._seq)
 
