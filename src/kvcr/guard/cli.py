@@ -220,12 +220,14 @@ def group_record(g: GroupStatus) -> dict[str, Any]:
         "journal_blocks": g.journal_blocks,
         "journal_fill_percent": g.journal_fill_percent,
         "recovery_disabled": g.recovery_disabled,
+        "served_blocks": g.served_blocks,
+        "served_g3_blocks": g.served_g3_blocks,
         "layouts": [list(x) for x in g.layouts],
     }
 
 
 def status_table(groups: list[GroupStatus]) -> str:
-    rows = [("group", "state", "holder", "control port", "journal", "layouts")]
+    rows = [("group", "state", "holder", "control port", "journal", "served", "layouts")]
     for g in groups:
         if g.recovery_disabled:
             journal = "recovery disabled"
@@ -240,6 +242,7 @@ def status_table(groups: list[GroupStatus]) -> str:
                 "-" if g.holder_pid is None else str(g.holder_pid),
                 "-" if g.control_port is None else str(g.control_port),
                 journal,
+                f"{g.served_blocks} (G3 {g.served_g3_blocks})",
                 ", ".join(f"{name or '<default>'}:{size}" for name, size in g.layouts) or "-",
             )
         )

@@ -179,8 +179,14 @@ class Guard:
         return state.followed(replay.position)
 
     def journal_status(self, status: wire.GroupStatus) -> wire.GroupStatus:
-        """``status`` with what the group's journal holds: the server's own mirror while
-        this Guard serves the group, else what the follower saw last."""
+        """``status`` with what the group's journal holds (the server's own mirror while
+        this Guard serves the group, else what the follower saw last) and the blocks
+        served to peers so far."""
+        status = attrs.evolve(
+            status,
+            served_blocks=self.tally.served_blocks + self.serving_blocks(),
+            served_g3_blocks=self.tally.served_g3_blocks + self.serving_g3_blocks(),
+        )
         server = self.server
         mirror = server.runtime.mirror if server is not None else None
         if mirror is None:
@@ -238,6 +244,16 @@ class Guard:
         server = self.server
         return server.served_blocks() if server is not None else 0
 
+    def serving_g3_blocks(self) -> int:
+        """... of which the current server read from the group's G3 files."""
+        server = self.server
+        return server.served_g3_blocks() if server is not None else 0
+
+    def _count_served(self, server: GroupServer) -> None:
+        """A server stopped: what it wrote goes into the group's tally."""
+        self.tally.served_blocks += server.served_blocks()
+        self.tally.served_g3_blocks += server.served_g3_blocks()
+
     async def _watch_server(self, server: GroupServer) -> None:
         """A server that stops on its own (its runtime failed) leaves the group unusable:
         nobody can tell whether a transfer of it still reads the pools."""
@@ -245,7 +261,7 @@ class Guard:
         if self.server is not server:
             return  # handed back or closed: whoever stopped it decided
         self.server = None
-        self.tally.served_blocks += server.served_blocks()
+        self._count_served(server)
         self._unusable(server, server.failure or "its server stopped")
 
     def _unusable(self, server: GroupServer, reason: str) -> None:
@@ -262,7 +278,7 @@ class Guard:
         with trio.CancelScope(shield=True):  # bounded by the runtime's own deadlines
             stopped_clean = server is None or await server.stop()
         if server is not None:
-            self.tally.served_blocks += server.served_blocks()
+            self._count_served(server)
         if server is not None and not stopped_clean:
             reason = server.failure or "a transfer of its server may still read its pools"
             self._unusable(server, reason)

@@ -42,6 +42,7 @@ class GroupTally:
     handbacks: int = 0
     claims_granted: int = 0
     served_blocks: int = 0  # written to peers by the servers of this group that ended
+    served_g3_blocks: int = 0  # ... of those, read from the group's G3 files
 
 
 @attrs.define
@@ -63,6 +64,7 @@ class GroupReading:
 
     status: GroupStatus
     serving_blocks: int = 0
+    serving_g3_blocks: int = 0
 
 
 class ServiceCollector(Collector):
@@ -118,6 +120,11 @@ class ServiceCollector(Collector):
             "Blocks the service wrote to peers while serving the group.",
             labels=group,
         )
+        served_g3 = CounterMetricFamily(
+            "kvcr_guard_served_g3_blocks",
+            "Of the blocks served, those read from the group's G3 files.",
+            labels=group,
+        )
         for reading in readings:
             status = reading.status
             index = str(status.index)
@@ -134,12 +141,14 @@ class ServiceCollector(Collector):
             handbacks.add_metric([index], counts.handbacks)
             granted.add_metric([index], counts.claims_granted)
             served.add_metric([index], counts.served_blocks + reading.serving_blocks)
+            served_g3.add_metric([index], counts.served_g3_blocks + reading.serving_g3_blocks)
         refused = CounterMetricFamily(
             "kvcr_guard_claims_refused", "Claims refused, by the refusal's code.", labels=["reason"]
         )
         for reason, count in sorted(tally.refusals.items()):
             refused.add_metric([reason], count)
         yield from (state, holder, blocks, fill, disabled, takeovers, handbacks, granted, served)
+        yield served_g3
         yield refused
 
 

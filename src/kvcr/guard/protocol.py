@@ -289,6 +289,10 @@ class GroupStatus:
     journal_fill_percent: int | None = attrs.field(default=None, validator=_optional_int(0, 100))
     journal_blocks: int | None = attrs.field(default=None, validator=_optional_int(0, U64 - 1))
     recovery_disabled: bool = attrs.field(default=False, validator=_bool)
+    # Blocks the service wrote to peers while serving the group, and those of them it read
+    # from the group's G3 files (since the service started; absent in older frames).
+    served_blocks: int = attrs.field(default=0, validator=_u64)
+    served_g3_blocks: int = attrs.field(default=0, validator=_u64)
 
 
 @attrs.frozen
