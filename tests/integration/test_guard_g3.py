@@ -11,8 +11,11 @@ turns its blocks into misses, never into wrong bytes.
 
 from __future__ import annotations
 
+import fcntl
 import json
-from collections.abc import Iterator
+import os
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -75,9 +78,12 @@ def world(tmp_path: Path) -> Iterator[World]:
         w.close()
 
 
-def spill_and_die(world: World) -> tuple[SourceWorker, dict[int, list[int]]]:
-    """A holder deposits 8 blocks into its 4-block pool (0-3 spill to G3) and is killed;
-    returns it and the checksums of its blocks once the service serves the group."""
+def spill_and_die(
+    world: World, before_death: Callable[[], None] = lambda: None
+) -> tuple[SourceWorker, dict[int, list[int]]]:
+    """A holder deposits 8 blocks into its 4-block pool (0-3 spill to G3) and is killed
+    (``before_death`` runs just before); returns it and the checksums of its blocks once
+    the service serves the group."""
     holder = world.worker("holder")
     sums: dict[int, list[int]] = {}
     for batch in (range(4), range(4, 8)):
@@ -85,6 +91,7 @@ def spill_and_die(world: World) -> tuple[SourceWorker, dict[int, list[int]]]:
         assert {status for status, _ in result.values()} == {"SUCCESS"}
         sums.update({k: checksum for k, (_, checksum) in result.items()})
     assert holder("query", list(range(8))) == ["FETCHABLE"] * 4 + ["HIT"] * 4
+    before_death()
     holder.kill()
     wait_until(lambda: world.guard.states()[0] == ("serving", None), what="takeover")
     return holder, sums
@@ -152,4 +159,37 @@ def test_a_g3_file_damaged_while_the_guard_serves_it_gives_misses_never_wrong_by
     assert [k for k in range(4) if statuses[k] == "FETCHABLE"] == [
         k for k in range(4) if k not in missed
     ]
+    heir.stop()
+
+
+def test_g3_files_the_guard_cannot_open_leave_it_serving_g2_alone(world: World) -> None:
+    """Another process takes a file's lock as the holder dies: the service serves the G2
+    blocks, says why not the G3 ones, and leaves the files and their records to the heir."""
+    fds: list[int] = []
+    locked = threading.Event()
+
+    def lock_when_free() -> None:  # blocks until the holder's exit drops its lock
+        fcntl.flock(fds[0], fcntl.LOCK_EX)
+        locked.set()
+
+    def take_the_lock_at_death() -> None:
+        fds.append(os.open(world.files[0], os.O_RDWR))
+        taker.start()
+
+    taker = threading.Thread(target=lock_when_free)
+    try:
+        holder, sums = spill_and_die(world, take_the_lock_at_death)
+        assert locked.wait(10)
+
+        got = pulled(world, holder, "g2-alone")
+        assert got == {k: None if k < 4 else sums[k] for k in range(8)}
+        assert "g3_not_served" in world.guard.log()
+    finally:
+        taker.join(10)
+        for fd in fds:
+            os.close(fd)  # drops the lock
+
+    heir = world.worker("heir")
+    assert heir("query", list(range(8))) == ["FETCHABLE"] * 4 + ["HIT"] * 4
+    assert pulled(world, heir, "from-heir") == sums
     heir.stop()

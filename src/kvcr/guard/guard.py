@@ -21,7 +21,7 @@ from kvcr.guard import protocol as wire
 from kvcr.guard.metrics import GroupTally
 from kvcr.guard.pools import GroupFile, map_group
 from kvcr.guard.procs import close_quietly
-from kvcr.guard.rules import GroupEvent, Groups, GroupState, Lease
+from kvcr.guard.rules import GroupEvent, Groups, GroupState, Lease, Terms
 from kvcr.guard.serving import CannotServe, GroupServer, Standby, group_memory
 from kvcr.policy import LRUPolicy
 from kvcr.runtime.mirror import Followed, Replayed
@@ -201,7 +201,8 @@ class Guard:
     async def _take_over(self) -> None:
         """Serve the dead holder's committed blocks on the group's endpoint. If that is not
         possible (no address peers could use, or the server fails to start), the group just
-        stays idle and claimable: serving is a bonus, fencing leases is what must not fail."""
+        stays idle and claimable: serving is a bonus, fencing leases is what must not fail.
+        A server that cannot open the group's G3 files serves its G2 blocks alone."""
         group = self.groups[self.index]
         if group.state is not GroupState.IDLE or group.terms is None or self.listener is None:
             return
@@ -209,23 +210,21 @@ class Guard:
         assert self.nursery is not None, "the supervisor runs the Guard"
         followed = await self._followed()
         standby, self._standby = self._standby, None
+        terms = group.terms
         try:
             try:
-                server = GroupServer.prepare(
-                    self.index,
-                    group.terms,
-                    self.mapping,
-                    self.listener,
-                    self.log,
-                    followed,
-                    standby,
-                )
-            except BaseException:
-                if standby is not None:  # no runtime took it over
-                    await trio.to_thread.run_sync(standby.close)
+                server = await self._start_server(terms, followed, standby)
+            except CannotServe:
                 raise
-            self._servers.append(server)
-            await server.start(self.nursery)
+            except Exception as exc:
+                if terms.g3 is None:
+                    raise
+                # The files may be gone, locked or resized: the journal keeps their records
+                # for the next holder, which checks them again. The index the first try was
+                # handed may have been changed: this one replays the journal.
+                self.log.warning("g3_not_served", error=repr(exc), reason="serving G2 alone")
+                self._forget_if_clean()
+                server = await self._start_server(attrs.evolve(terms, g3=None), None, None)
         except CannotServe as exc:
             self.log.warning("not_serving", reason=str(exc))
             return
@@ -238,6 +237,23 @@ class Guard:
         self.tally.takeovers += 1
         self.nursery.start_soon(self._watch_server, server)
         self.log.info("took_over", seconds=round(trio.current_time() - started, 6))
+
+    async def _start_server(
+        self, terms: Terms, followed: Followed | None, standby: Standby | None
+    ) -> GroupServer:
+        """Build the group's server and start it in the supervisor nursery."""
+        assert self.nursery is not None and self.listener is not None
+        try:
+            server = GroupServer.prepare(
+                self.index, terms, self.mapping, self.listener, self.log, followed, standby
+            )
+        except BaseException:
+            if standby is not None:  # no runtime took it over
+                await trio.to_thread.run_sync(standby.close)
+            raise
+        self._servers.append(server)
+        await server.start(self.nursery)
+        return server
 
     def serving_blocks(self) -> int:
         """Blocks the current server (if any) has written to peers so far."""

@@ -28,10 +28,10 @@ import mmap
 BOUNCE_BYTES = 64 << 20
 
 
-def bounce_slot_count(block: int, g3_blocks: int, budget: int = BOUNCE_BYTES) -> int:
+def bounce_slot_count(block: int, g3_blocks: int) -> int:
     """How many bounce slots of ``block`` bytes a runtime whose G3 holds ``g3_blocks``
-    blocks maps: the budget's worth, no more than G3 holds, at least one."""
-    return max(1, min(budget // block, g3_blocks))
+    blocks maps: :data:`BOUNCE_BYTES`' worth, no more than G3 holds, at least one."""
+    return max(1, min(BOUNCE_BYTES // block, g3_blocks))
 
 
 class BounceBuffer:
