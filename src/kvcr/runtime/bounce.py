@@ -77,9 +77,11 @@ class BounceSlots:
 
     def give(self, descriptors: list[int]) -> None:
         """Descriptors lent by :meth:`take`, free again (nothing touches them any more)."""
+        free = set(self._free)
         for desc in descriptors:
             if not self.base <= desc < self.base + self.count:
                 raise ValueError(f"bounce slots: descriptor {desc} is not one of ours")
+            if desc in free:
+                raise ValueError(f"bounce slots: descriptor {desc} was given back twice")
+            free.add(desc)
         self._free.extend(reversed(descriptors))
-        if len(self._free) > self.count:
-            raise ValueError("bounce slots: a descriptor was given back twice")
