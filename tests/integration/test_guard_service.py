@@ -249,11 +249,15 @@ def test_status_shows_groups_holders_and_layouts_as_a_table_and_json(guard) -> N
     status = [sys.executable, "-m", "kvcr.kvcr_service", "status", "--socket-path"]
     table = subprocess.run([*status, guard.socket_path], capture_output=True, text=True, check=True)
     lines = table.stdout.splitlines()
-    assert lines[0].split() == ["group", "state", "holder", "control", "port", "journal", "layouts"]
+    assert lines[0].split() == [
+        *("group", "state", "holder", "control", "port", "journal", "served", "layouts")
+    ]
     port = str(hold.control_address[1])
     # A bare claim writes no journal: "-" (workers' journals are shown, see the workers' tests)
-    assert lines[1].split() == ["0", "held", str(os.getpid()), port, "-", "<default>:4096"]
-    assert lines[2].split() == ["1", "idle", "-", "-", "-", "-"]
+    assert lines[1].split() == [
+        *("0", "held", str(os.getpid()), port, "-", "0", "(G3", "0)", "<default>:4096")
+    ]
+    assert lines[2].split() == ["1", "idle", "-", "-", "-", "0", "(G3", "0)", "-"]
 
     doc = subprocess.run(
         [*status, guard.socket_path, "--json"], capture_output=True, text=True, check=True
@@ -267,6 +271,8 @@ def test_status_shows_groups_holders_and_layouts_as_a_table_and_json(guard) -> N
         "journal_blocks": None,
         "journal_fill_percent": None,
         "recovery_disabled": False,
+        "served_blocks": 0,
+        "served_g3_blocks": 0,
         "layouts": [["", 4096]],
     }
     hold.release()
