@@ -490,9 +490,10 @@ class GuardService:
             if f" {event} " in line and "seconds=" in line
         ]
 
-    def kill_a_holder(self, nblocks: int) -> float:
-        """Start a holder of ``nblocks`` blocks over group 0 (``recovery_holder.py``), SIGKILL
-        it once it is ready: the seconds until ``status`` says the group is served."""
+    def kill_a_holder(self, nblocks: int, *extra: str) -> float:
+        """Start a holder of ``nblocks`` blocks over group 0 (``recovery_holder.py``, with
+        ``extra`` arguments), SIGKILL it once it is ready: the seconds until ``status`` says
+        the group is served."""
         holder = subprocess.Popen(
             [
                 sys.executable,
@@ -501,6 +502,7 @@ class GuardService:
                 str(self.port),
                 str(nblocks),
                 self.digest,
+                *extra,
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

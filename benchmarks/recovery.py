@@ -20,18 +20,45 @@ Rows:
   group, warm from the journal), and from the kill until ``status`` says ``serving``.
 - ``handback``: claiming that served group (the service stops serving, then grants), beside
   claiming an idle group.
+- ``g3 serve``: a holder with G3 (one file) deposits 2 N blocks into an N-block pool, so the
+  first N spill to G3, and is SIGKILLed; a peer then pulls (hinted ``deliver``, engine
+  poll) the N blocks the service serves from G3 (read into bounce slots, then written),
+  beside pulls of the N blocks it serves from G2: the same bytes (key ``k`` and key
+  ``N + k`` were deposited from the same element), the same size, the same server, rounds
+  alternating. The G3 file is in the page cache after the spill: this is the serving path's
+  cost, not the disk's.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import os
+import shutil
 import sys
+import tempfile
 import time
+import zlib
 
 import common
-from common import GuardInstance, Row, log, percentile, pool_service, run_main
+from common import (
+    Engine,
+    GuardInstance,
+    Row,
+    free_port,
+    log,
+    make_instance,
+    null_bindings,
+    percentile,
+    pool_service,
+    run_main,
+)
+
+from kvcr.config import RemoteFWDramOptions
+from kvcr.control_channels import ZmqPeerControlChannel
+from kvcr.hints import fetch_hint
+from kvcr.types import MemoryRef
 
 KIB, MIB = common.KIB, common.MIB
 NOTES = (  # the closing notes: what the baselines are
@@ -39,7 +66,18 @@ NOTES = (  # the closing notes: what the baselines are
     "warm start baseline: the same construction over an empty journal",
     "takeover: the first one in a service also starts its NIXL agent (excluded: median)",
     "handback baseline: claiming an idle group of the same service",
+    "g3 serve baseline: pulls of as many G2 blocks (same bytes) from the same guard server",
 )
+
+
+class IntKeys:
+    """Key adapter: a key is its router hash, 8 bytes big-endian."""
+
+    def encode(self, framework_key: int) -> bytes:
+        return framework_key.to_bytes(8, "big")
+
+    def decode(self, block_key: bytes) -> int:
+        return int.from_bytes(block_key, "big")
 
 
 def bench_deposit(
@@ -203,6 +241,65 @@ def bench_takeover(rows: list[Row], nblocks: int, reps: int, quiet: bool) -> Non
     )
 
 
+def bench_g3_serve(rows: list[Row], case: str, block: int, n: int, reps: int, quiet: bool) -> None:
+    service = pool_service(block * n)
+    g3_dir = tempfile.mkdtemp(prefix="kvcr-g3-serve-")
+    expected = [zlib.crc32(b) for b in common.randomized(block * n, seed=block).reshape(n, -1)]
+    name = f"g3-puller-{os.getpid()}-{block}"
+    region = common.bench_pages(block * n, 0)
+    channel = ZmqPeerControlChannel("127.0.0.1", free_port(), "127.0.0.1")
+    kv = make_instance(
+        name,
+        block,
+        region,
+        common.bench_pages(2 * block, 0),  # unused: deliver writes the engine region
+        null_bindings(framework_control=channel, key_adapter=IntKeys()),
+        remote_fw_dram=RemoteFWDramOptions(eager_ctrl_connect=True),
+    )
+    engine = Engine(kv, name, 0.0005)
+    blocks = {
+        tier: {
+            (first + i).to_bytes(8, "big"): [MemoryRef(end_point_name=name, element_index=i)]
+            for i in range(n)
+        }
+        for tier, first in (("g3", 0), ("g2", n))
+    }
+    times: dict[str, list[float]] = {"g3": [], "g2": []}
+    requests = itertools.count()
+    try:
+        log(f"g3 serve {case}: holder with G3, killed", quiet)
+        service.kill_a_holder(2 * n, str(block), os.path.join(g3_dir, "g3.bin"))
+        endpoint = f"tcp://127.0.0.1:{service.port}"
+        for rep in range(2 * reps + 2):
+            tier = ("g3", "g2")[rep % 2]
+            request = f"{tier}-{next(requests)}"
+            hashes = [int.from_bytes(k, "big") for k in blocks[tier]]
+            kv.submit_hint(fetch_hint(endpoint, hashes, message_id=request), request_id=request)
+            time.sleep(0.005)  # the runtime handles the hint's connect command first
+            region[:] = 0
+            deliver = functools.partial(kv.deliver, blocks[tier], request_id=request)
+            elapsed, got = engine.timed(deliver, n)
+            kv.discard_hint(request)
+            failed = [k for k, v in got.items() if not v.success]
+            if failed:
+                raise RuntimeError(f"g3 serve {case}: {len(failed)} of {n} {tier} keys failed")
+            crcs = [zlib.crc32(b) for b in region.reshape(n, -1)]
+            if crcs != expected:
+                raise RuntimeError(f"g3 serve {case}: {tier} blocks arrived with wrong bytes")
+            if rep >= 2:  # a warm-up each (the first also sets up the link)
+                times[tier].append(elapsed)
+        served = service.client.status()[0]
+        if served.served_g3_blocks != n * (reps + 1):
+            raise RuntimeError(f"g3 serve {case}: status counts {served.served_g3_blocks}")
+    finally:
+        kv.close()
+        channel.close()
+        service.stop()
+        shutil.rmtree(g3_dir, ignore_errors=True)
+    g3, g2 = (block * n / percentile(times[t], 50) / 1e9 for t in ("g3", "g2"))
+    rows.append(Row("g3 serve", f"{case}: guard G3 serve / G2 pull, median", g3, "GB/s", g2))
+
+
 def measure(args: argparse.Namespace) -> tuple[list[Row], list[str]]:
     quiet = args.json_only
     reps, rounds, warm_reps = (10, 2, 3) if args.quick else (100, 6, 7)
@@ -214,6 +311,9 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], list[str]]:
         bench_warm_start(rows, n, warm_reps, quiet)
     for n in (100, 1000, 10000):
         bench_takeover(rows, n, max(warm_reps // 2, 2), quiet)
+    g3_reps = 5 if args.quick else 20
+    bench_g3_serve(rows, "64 x 1 MiB", MIB, 64, g3_reps, quiet)
+    bench_g3_serve(rows, "256 x 64 KiB", 64 * KIB, 256, g3_reps, quiet)
     return rows, list(NOTES)
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import trio
 
 from engine_sim import EngineSim, Recorder, router_hint
-from kvcr.config import KVCRBackendConfigs, RemoteFWDramOptions
+from kvcr.config import G3Options, KVCRBackendConfigs, RemoteFWDramOptions
 from kvcr.telemetry import InMemoryStats
 from kvcr.testing import kvcr_in_loop
 from kvcr.transport.fake import FakeControlHub, FakeFabric, FakeTransport
@@ -95,10 +95,17 @@ class EnginePins:
 
 class Worker:
     def __init__(
-        self, world: World, name: str, eager: bool = True, pools: bool = True, **engine_kw: Any
+        self,
+        world: World,
+        name: str,
+        eager: bool = True,
+        pools: bool = True,
+        g3: G3Options | None = None,  # real files, through NIXL's POSIX backend
+        **engine_kw: Any,
     ) -> None:
         self.world = world
         self.pools = pools
+        self.g3 = g3
         engine_kw.setdefault("operation_timeout_ms", 1000)
         engine_kw.setdefault("abandon_timeout_ms", 3000)
         self.engine = EngineSim(name=name, **engine_kw)
@@ -128,6 +135,7 @@ class Worker:
             framework_regions=self.engine.backend_configs.framework_regions,
             local_dram=self.engine.backend_configs.local_dram if self.pools else None,
             remote_fw_dram=RemoteFWDramOptions(eager_ctrl_connect=self.eager),
+            g3=self.g3,
         )
 
         def transport() -> FakeTransport:

@@ -2,7 +2,9 @@
 real ZMQ control channel, driven by its parent over a socketpair.
 
 Run as ``python worker_proc.py FD NAME PORT BLOCK POOL_BLOCKS REGION_BLOCKS [SOCKET INDEX
-DIGEST]``; with the last three, the worker runs over a guard service's pool group. The parent
+DIGEST]``; with the last three, the worker runs over a guard service's pool group. With
+``KVCR_TEST_G3`` set (JSON: ``{"paths": [...], "capacity_bytes_per_file": N}``) it has a
+G3 tier on those files (POSIX backend), to which its full pool spills. The parent
 sends pickled ``(command, *args)`` tuples and gets one reply each (an exception comes back
 as ``("error", text)``). The worker's engine serves pins from its own region
 (``engine_has``) and can hold pin answers back, like a busy engine; between commands it polls
@@ -18,12 +20,14 @@ process's resources.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import sys
 import time
 import traceback
 import zlib
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -33,7 +37,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from engine_sim import EngineSim, Recorder, router_hint
 from kvcr import KVCR
-from kvcr.config import KVCRBackendConfigs, KVCRGuardConfig
+from kvcr.config import G3Options, KVCRBackendConfigs, KVCRGuardConfig
 from kvcr.control_channels import ZmqPeerControlChannel
 from kvcr.telemetry import InMemoryStats
 from kvcr.testing import open_kvcr
@@ -76,9 +80,16 @@ def main() -> None:
     guard = None
     if len(sys.argv) > 7:
         guard = KVCRGuardConfig(sys.argv[7], int(sys.argv[8]), sys.argv[9])
+    g3 = json.loads(os.environ["KVCR_TEST_G3"]) if os.environ.get("KVCR_TEST_G3") else None
     backends = KVCRBackendConfigs(
         framework_regions=engine.backend_configs.framework_regions,
         local_dram=None if guard else engine.backend_configs.local_dram,
+        g3=None
+        if g3 is None
+        else G3Options(
+            paths=tuple(Path(p) for p in g3["paths"]),
+            capacity_bytes_per_file=g3["capacity_bytes_per_file"],
+        ),
     )
     opened = open_kvcr(engine.config, bindings, backends, guard)
     kv, runtime = opened.kv, opened.runtime

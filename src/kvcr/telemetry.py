@@ -29,6 +29,7 @@ SCOPE_LOCAL_FETCH = "local_fetch"
 SCOPE_G3_STORE = "g3_store"
 SCOPE_G3_FILL = "g3_fill"
 SCOPE_G3_DELIVER = "g3_deliver"
+SCOPE_G3_SERVE = "g3_serve"  # G3 blocks read into bounce slots for a peer's pull
 
 RESULT_SUCCESS = "success"
 RESULT_PARTIAL = "partial"

@@ -250,23 +250,16 @@ def test_status_shows_groups_holders_and_layouts_as_a_table_and_json(guard) -> N
     table = subprocess.run([*status, guard.socket_path], capture_output=True, text=True, check=True)
     lines = table.stdout.splitlines()
     assert lines[0].split() == [
-        "group", "state", "holder", "last", "beat", "fenced", "control", "port", "journal",
-        "layouts",
-    ]  # fmt: skip
+        *("group", "state", "holder", "last", "beat", "fenced", "control", "port", "journal"),
+        *("served", "layouts"),
+    ]
     port = str(hold.control_address[1])
     # A bare claim writes no journal: "-" (workers' journals are shown, see the workers' tests);
     # this service asks for no heartbeats: no last beat.
     assert lines[1].split() == [
-        "0",
-        "held",
-        str(os.getpid()),
-        "-",
-        "0",
-        port,
-        "-",
-        "<default>:4096",
+        *("0", "held", str(os.getpid()), "-", "0", port, "-", "0", "(G3", "0)", "<default>:4096")
     ]
-    assert lines[2].split() == ["1", "idle", "-", "-", "0", "-", "-", "-"]
+    assert lines[2].split() == ["1", "idle", "-", "-", "0", "-", "-", "0", "(G3", "0)", "-"]
 
     doc = subprocess.run(
         [*status, guard.socket_path, "--json"], capture_output=True, text=True, check=True
@@ -282,6 +275,8 @@ def test_status_shows_groups_holders_and_layouts_as_a_table_and_json(guard) -> N
         "recovery_disabled": False,
         "fenced": 0,
         "last_beat_ms": None,
+        "served_blocks": 0,
+        "served_g3_blocks": 0,
         "layouts": [["", 4096]],
     }
     hold.release()

@@ -239,13 +239,18 @@ def group_record(g: GroupStatus) -> dict[str, Any]:
         "recovery_disabled": g.recovery_disabled,
         "fenced": g.fenced,
         "last_beat_ms": g.last_beat_ms,
+        "served_blocks": g.served_blocks,
+        "served_g3_blocks": g.served_g3_blocks,
         "layouts": [list(x) for x in g.layouts],
     }
 
 
 def status_table(groups: list[GroupStatus]) -> str:
     rows = [
-        ("group", "state", "holder", "last beat", "fenced", "control port", "journal", "layouts")
+        (
+            *("group", "state", "holder", "last beat", "fenced", "control port", "journal"),
+            *("served", "layouts"),
+        )
     ]
     for g in groups:
         if g.recovery_disabled:
@@ -263,6 +268,7 @@ def status_table(groups: list[GroupStatus]) -> str:
                 str(g.fenced),
                 "-" if g.control_port is None else str(g.control_port),
                 journal,
+                f"{g.served_blocks} (G3 {g.served_g3_blocks})",
                 ", ".join(f"{name or '<default>'}:{size}" for name, size in g.layouts) or "-",
             )
         )

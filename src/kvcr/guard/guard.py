@@ -9,11 +9,8 @@ follower (``follow``), a detached group's wait for its worker (``wait_detached``
 served group's runtime with its watcher. A Guard that fails stops the service; a served
 group whose runtime fails only makes its group unusable.
 
-Fencing a silent holder (``_fence_when_silent``): past the heartbeat deadline the holder is
-sent SIGKILL through its pidfd (a pidfd names one process, never a later one that reuses the
-pid); the lease ends only once the pidfd says the process has exited, so no takeover ever
-reads pools a live holder could still write. A process in uninterruptible I/O dies when the
-I/O ends: the Guard waits for it, and says so in the log once a second has passed.
+A silent holder is fenced by ``fencing.py``; the lease ends only once its pidfd says the
+process has exited, so no takeover ever reads pools a live holder could still write.
 """
 
 from __future__ import annotations
@@ -21,7 +18,6 @@ from __future__ import annotations
 import fcntl
 import math
 import os
-import signal
 import socket
 from typing import Any
 
@@ -29,11 +25,12 @@ import attrs
 import trio
 
 from kvcr.guard import protocol as wire
+from kvcr.guard.fencing import fence_when_silent
 from kvcr.guard.heartbeat import Beats, Verdict
 from kvcr.guard.metrics import GroupTally
 from kvcr.guard.pools import GroupFile, map_group, unheld
-from kvcr.guard.procs import close_quietly
-from kvcr.guard.rules import GroupEvent, Groups, GroupState, Lease
+from kvcr.guard.procs import close_quietly, handed_over_refusal
+from kvcr.guard.rules import GroupEvent, Groups, GroupState, Lease, Terms
 from kvcr.guard.serving import CannotServe, GroupServer, Standby, group_memory
 from kvcr.policy import LRUPolicy
 from kvcr.runtime.mirror import Followed, Replayed
@@ -45,7 +42,6 @@ from kvcr.store.slots import slot_pools
 CONTROL_BACKLOG = 128
 FOLLOW_INTERVAL_S = 0.5
 DETACHED_POLL_S = 1.0  # how often a detached group checks whether its worker still maps it
-UNKILLABLE_AFTER_S = 1.0  # a fenced holder still alive this long after SIGKILL is logged
 
 
 class Guard:
@@ -153,7 +149,14 @@ class Guard:
                             self.nursery.start_soon(self._open_standby)
                         async with trio.open_nursery() as watch:
                             if self.beats is not None:
-                                watch.start_soon(self._fence_when_silent, lease, pidfd)
+                                watch.start_soon(
+                                    fence_when_silent,
+                                    self.beats,
+                                    lease,
+                                    pidfd,
+                                    self._fence,
+                                    self.log,
+                                )
                             await trio.lowlevel.wait_readable(pidfd)
                             watch.cancel_scope.cancel()
                         exited = self.groups.end_lease(
@@ -183,39 +186,12 @@ class Guard:
             return None
         return max(0, round(1000 * (trio.current_time() - beats.last)))
 
-    async def _fence_when_silent(self, lease: Lease, pidfd: int) -> None:
-        """Kill the holder once it misses its heartbeat deadline (see the module's docstring);
-        the caller's wait on the pidfd then ends the lease as after a crash."""
-        beats = self.beats
-        assert beats is not None
-        while True:
-            await trio.sleep_until(beats.deadline)
-            missed = beats.missed(trio.current_time())
-            if missed is not None:
-                break
+    def _fence(self, lease: Lease) -> bool:
+        """The holder of ``lease`` missed its deadline: fence it (False: it ended already)."""
         if not self.groups.fence(self.index, lease.number):
-            return  # released meanwhile
+            return False
         self.tally.fenced += 1
-        self.log.warning(
-            "holder_fenced",
-            lease=lease.number,
-            pid=lease.pid,
-            missed_ms=round(1000 * missed),
-            timeout_ms=round(1000 * beats.timeout_s),
-            reason="no heartbeat from the holder's runtime in time: SIGKILL, then take over",
-        )
-        try:
-            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-        except ProcessLookupError:
-            return  # exited already: the pidfd is (or is about to be) readable
-        await trio.sleep(UNKILLABLE_AFTER_S)
-        self.log.warning(
-            "holder_unkillable",
-            lease=lease.number,
-            pid=lease.pid,
-            seconds=UNKILLABLE_AFTER_S,
-            reason="still alive after SIGKILL (uninterruptible I/O?); the lease ends when it exits",
-        )
+        return True
 
     async def wait_detached(self, interval_s: float = DETACHED_POLL_S) -> None:
         """While the group is detached, check every ``interval_s`` whether any process still
@@ -243,24 +219,7 @@ class Guard:
         """Why the descriptors of a re-attach are not this group's file and its listener
         bound to ``port``; None if they are."""
         assert self.file is not None, "a detached group has its file"
-        mine, theirs = os.fstat(self.file.fd), os.fstat(group_fd)
-        if (mine.st_dev, mine.st_ino) != (theirs.st_dev, theirs.st_ino):
-            return f"the attached file is not this service's {self.file.path}"
-        try:
-            probe = socket.socket(fileno=os.dup(listener_fd))
-        except OSError as exc:
-            return f"the attached listener is not a socket: {exc}"
-        with probe:
-            try:
-                listening = probe.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
-                bound = probe.getsockname()
-            except OSError as exc:
-                return f"the attached listener cannot be read: {exc}"
-        if probe.type != socket.SOCK_STREAM or not listening:
-            return "the attached listener is not a listening stream socket"
-        if not isinstance(bound, tuple) or bound[1] != port:
-            return f"the attached listener is bound to {bound!r}, not to port {port}"
-        return None
+        return handed_over_refusal(self.file.fd, str(self.file.path), group_fd, listener_fd, port)
 
     def reattached(self, listener_fd: int) -> None:
         """The detached group's worker re-attached (granted): keep its listener (for a
@@ -324,8 +283,14 @@ class Guard:
         return state.followed(replay.position)
 
     def journal_status(self, status: wire.GroupStatus) -> wire.GroupStatus:
-        """``status`` with what the group's journal holds: the server's own mirror while
-        this Guard serves the group, else what the follower saw last."""
+        """``status`` with what the group's journal holds (the server's own mirror while
+        this Guard serves the group, else what the follower saw last) and the blocks
+        served to peers so far."""
+        status = attrs.evolve(
+            status,
+            served_blocks=self.tally.served_blocks + self.serving_blocks(),
+            served_g3_blocks=self.tally.served_g3_blocks + self.serving_g3_blocks(),
+        )
         server = self.server
         mirror = server.runtime.mirror if server is not None else None
         if mirror is None:
@@ -340,32 +305,30 @@ class Guard:
     async def _take_over(self) -> None:
         """Serve the dead holder's committed blocks on the group's endpoint. If that is not
         possible (no address peers could use, or the server fails to start), the group just
-        stays idle and claimable: serving is a bonus, fencing leases is what must not fail."""
+        stays idle and claimable: serving is a bonus, fencing leases is what must not fail.
+        A server that cannot open the group's G3 files serves its G2 blocks alone."""
         group = self.groups[self.index]
         if group.state is not GroupState.IDLE or group.terms is None or self.listener is None:
             return
-        assert self.mapping is not None, "a group that had a holder has its file"
         started = trio.current_time()
         assert self.nursery is not None, "the supervisor runs the Guard"
         followed = await self._followed()
         standby, self._standby = self._standby, None
+        terms = group.terms
         try:
             try:
-                server = GroupServer.prepare(
-                    self.index,
-                    group.terms,
-                    self.mapping,
-                    self.listener,
-                    self.log,
-                    followed,
-                    standby,
-                )
-            except BaseException:
-                if standby is not None:  # no runtime took it over
-                    await trio.to_thread.run_sync(standby.close)
+                server = await self._start_server(terms, followed, standby)
+            except CannotServe:
                 raise
-            self._servers.append(server)
-            await server.start(self.nursery)
+            except Exception as exc:
+                if terms.g3 is None:
+                    raise
+                # The files may be gone, locked or resized: the journal keeps their records
+                # for the next holder, which checks them again. The index the first try was
+                # handed may have been changed: this one replays the journal.
+                self.log.warning("g3_not_served", error=repr(exc), reason="serving G2 alone")
+                self._forget_if_clean()
+                server = await self._start_server(attrs.evolve(terms, g3=None), None, None)
         except CannotServe as exc:
             self.log.warning("not_serving", reason=str(exc))
             return
@@ -379,10 +342,38 @@ class Guard:
         self.nursery.start_soon(self._watch_server, server)
         self.log.info("took_over", seconds=round(trio.current_time() - started, 6))
 
+    async def _start_server(
+        self, terms: Terms, followed: Followed | None, standby: Standby | None
+    ) -> GroupServer:
+        """Build the group's server and start it in the supervisor nursery."""
+        assert self.nursery is not None and self.listener is not None
+        assert self.mapping is not None, "a group that had a holder has its file"
+        try:
+            server = GroupServer.prepare(
+                self.index, terms, self.mapping, self.listener, self.log, followed, standby
+            )
+        except BaseException:
+            if standby is not None:  # no runtime took it over
+                await trio.to_thread.run_sync(standby.close)
+            raise
+        self._servers.append(server)
+        await server.start(self.nursery)
+        return server
+
     def serving_blocks(self) -> int:
         """Blocks the current server (if any) has written to peers so far."""
         server = self.server
         return server.served_blocks() if server is not None else 0
+
+    def serving_g3_blocks(self) -> int:
+        """... of which the current server read from the group's G3 files."""
+        server = self.server
+        return server.served_g3_blocks() if server is not None else 0
+
+    def _count_served(self, server: GroupServer) -> None:
+        """A server stopped: what it wrote goes into the group's tally."""
+        self.tally.served_blocks += server.served_blocks()
+        self.tally.served_g3_blocks += server.served_g3_blocks()
 
     async def _watch_server(self, server: GroupServer) -> None:
         """A server that stops on its own (its runtime failed) leaves the group unusable:
@@ -391,7 +382,7 @@ class Guard:
         if self.server is not server:
             return  # handed back or closed: whoever stopped it decided
         self.server = None
-        self.tally.served_blocks += server.served_blocks()
+        self._count_served(server)
         self._unusable(server, server.failure or "its server stopped")
 
     def _unusable(self, server: GroupServer, reason: str) -> None:
@@ -408,7 +399,7 @@ class Guard:
         with trio.CancelScope(shield=True):  # bounded by the runtime's own deadlines
             stopped_clean = server is None or await server.stop()
         if server is not None:
-            self.tally.served_blocks += server.served_blocks()
+            self._count_served(server)
         if server is not None and not stopped_clean:
             reason = server.failure or "a transfer of its server may still read its pools"
             self._unusable(server, reason)

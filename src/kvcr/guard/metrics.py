@@ -45,6 +45,7 @@ class GroupTally:
     served_blocks: int = 0  # written to peers by the servers of this group that ended
     fenced: int = 0  # holders killed for missing their heartbeat deadline
     reattached: int = 0  # workers of a dead service that re-attached the group
+    served_g3_blocks: int = 0  # ... of those, read from the group's G3 files
 
 
 @attrs.define
@@ -68,6 +69,7 @@ class GroupReading:
 
     status: GroupStatus
     serving_blocks: int = 0
+    serving_g3_blocks: int = 0
 
 
 class ServiceCollector(Collector):
@@ -133,6 +135,11 @@ class ServiceCollector(Collector):
             "Workers of a service that died that re-attached the group to this one.",
             labels=group,
         )
+        served_g3 = CounterMetricFamily(
+            "kvcr_guard_served_g3_blocks",
+            "Of the blocks served, those read from the group's G3 files.",
+            labels=group,
+        )
         for reading in readings:
             status = reading.status
             index = str(status.index)
@@ -151,13 +158,14 @@ class ServiceCollector(Collector):
             served.add_metric([index], counts.served_blocks + reading.serving_blocks)
             fenced.add_metric([index], counts.fenced)
             reattached.add_metric([index], counts.reattached)
+            served_g3.add_metric([index], counts.served_g3_blocks + reading.serving_g3_blocks)
         refused = CounterMetricFamily(
             "kvcr_guard_claims_refused", "Claims refused, by the refusal's code.", labels=["reason"]
         )
         for reason, count in sorted(tally.refusals.items()):
             refused.add_metric([reason], count)
         yield from (state, holder, blocks, fill, disabled, takeovers, handbacks, granted, served)
-        yield from (fenced, reattached, refused)
+        yield from (served_g3, fenced, reattached, refused)
         beats = CounterMetricFamily(
             "kvcr_guard_heartbeats_refused",
             "Heartbeats ignored or refused, by kind (duplicate, early, no_claim, wrong_lease).",

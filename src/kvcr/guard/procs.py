@@ -4,7 +4,8 @@ A claim is fenced by the claimant's *pidfd*: a descriptor that refers to one pro
 to a later process that reuses its pid) and becomes readable when that process exits. The
 service takes it from the connection itself with ``SO_PEERPIDFD`` (Linux 6.5+), else from
 the pidfd the claimant attached to its request, which it checks against the connection's
-``SO_PEERCRED`` pid.
+``SO_PEERCRED`` pid. A re-attaching worker also hands over its group file and its control
+listener, which are checked to be what the service expects (:func:`handed_over_refusal`).
 """
 
 from __future__ import annotations
@@ -133,3 +134,29 @@ def claimant_pidfd(sock: socket.socket, attached: list[int]) -> tuple[int, PeerC
         return fd, cred
     finally:
         close_quietly(*attached)
+
+
+def handed_over_refusal(
+    file_fd: int, file_path: str, group_fd: int, listener_fd: int, port: int
+) -> str | None:
+    """Why what a re-attaching worker handed over is not the group file open as
+    ``file_fd`` and a listening stream socket bound to ``port``; None if it is."""
+    mine, theirs = os.fstat(file_fd), os.fstat(group_fd)
+    if (mine.st_dev, mine.st_ino) != (theirs.st_dev, theirs.st_ino):
+        return f"the attached file is not this service's {file_path}"
+    try:
+        probe = socket.socket(fileno=os.dup(listener_fd))
+    except OSError as exc:
+        return f"the attached listener is not a socket: {exc}"
+    with probe:
+        try:
+            listening = probe.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+            bound = probe.getsockname()
+        except OSError as exc:
+            return f"the attached listener cannot be read: {exc}"
+        kind = probe.type
+    if kind != socket.SOCK_STREAM or not listening:
+        return "the attached listener is not a listening stream socket"
+    if not isinstance(bound, tuple) or bound[1] != port:
+        return f"the attached listener is bound to {bound!r}, not to port {port}"
+    return None

@@ -41,20 +41,34 @@ from cattrs.preconf.msgpack import make_converter
 
 from kvcr.config import MAX_GROUPS
 from kvcr.errors import KVCRMsgFramingError
+from kvcr.guard.fields import (
+    MAX_PATH,
+    U64,
+    boolean,
+    bound_port,
+    each_str,
+    group_index,
+    int_in,
+    list_of,
+    one_of,
+    optional_int,
+    pid_field,
+    pools,
+    port_field,
+    str_map,
+    str_of,
+    to_tuples,
+    u64,
+)
 from kvcr.wire import describe, pack, strict_scalars
 
 PROTOCOL_VERSION = 1
 MAX_FRAME = 1 << 20
 HEADER = 4
-U64 = 1 << 64
-MAX_POOLS = 64
-MAX_NAME = 256
 MAX_DIGEST = 256
 MAX_HOST = 256
-MAX_PATH = 4096
 MAX_BACKEND = 64
 MAX_G3_PATHS = 1024
-MAX_BACKEND_OPTIONS = 64
 MAX_REFUSAL = 1024
 MAX_ERROR_TEXT = 300
 
@@ -75,134 +89,6 @@ GROUP_STATES = ("idle", "held", "serving", "handing_back", "unusable", "fencing"
 MAX_HEARTBEAT_MS = 3_600_000
 
 
-# --- validators (run on construction, so in-code and decoded values obey the same rules) ---
-
-
-def _int(lo: int, hi: int) -> Any:
-    """An int (not a bool) in [lo, hi]."""
-
-    def check(_inst: object, attr: attrs.Attribute, value: Any) -> None:
-        if type(value) is not int:
-            raise TypeError(f"{attr.name}: expected int, got {type(value).__name__}")
-        if not lo <= value <= hi:
-            raise ValueError(f"{attr.name} must be in [{lo}, {hi}], got {value}")
-
-    return check
-
-
-def _optional_int(lo: int, hi: int) -> Any:
-    inner = _int(lo, hi)
-
-    def check(inst: object, attr: attrs.Attribute, value: Any) -> None:
-        if value is not None:
-            inner(inst, attr, value)
-
-    return check
-
-
-def _check_str(name: str, value: Any, lo: int, hi: int, forbid: str = "") -> None:
-    if type(value) is not str:
-        raise TypeError(f"{name}: expected str, got {type(value).__name__}")
-    if not lo <= len(value) <= hi:
-        raise ValueError(f"{name} must be {lo}..{hi} characters, got {len(value)}")
-    for ch in forbid:
-        if ch in value:
-            raise ValueError(f"{name} must not contain {ch!r}")
-
-
-def _str(lo: int, hi: int, forbid: str = "") -> Any:
-    def check(_inst: object, attr: attrs.Attribute, value: Any) -> None:
-        _check_str(attr.name, value, lo, hi, forbid)
-
-    return check
-
-
-def _bool(_inst: object, attr: attrs.Attribute, value: Any) -> None:
-    if type(value) is not bool:
-        raise TypeError(f"{attr.name}: expected bool, got {type(value).__name__}")
-
-
-def _one_of(choices: tuple[str, ...]) -> Any:
-    def check(_inst: object, attr: attrs.Attribute, value: Any) -> None:
-        if value not in choices or type(value) is not str:
-            raise ValueError(
-                f"{attr.name} must be one of {list(choices)}, got {reprlib.repr(value)}"
-            )
-
-    return check
-
-
-def _list_of(item: Any, lo: int, hi: int) -> Any:
-    def check(inst: object, attr: attrs.Attribute, value: Any) -> None:
-        if type(value) is not list:
-            raise TypeError(f"{attr.name}: expected list, got {type(value).__name__}")
-        if not lo <= len(value) <= hi:
-            raise ValueError(f"{attr.name} must have {lo}..{hi} entries, got {len(value)}")
-        for i, x in enumerate(value):
-            item(f"{attr.name}[{i}]", x)
-
-    return check
-
-
-def _pool_entry(width: int) -> Any:
-    """(name, size) or (name, offset, size): name 0..256 chars without ':' (the empty name is
-    the single unnamed pool), size > 0."""
-
-    def check(name: str, value: Any) -> None:
-        if type(value) is not tuple or len(value) != width:
-            raise TypeError(f"{name}: expected a {width}-tuple, got {reprlib.repr(value)}")
-        _check_str(f"{name}[0]", value[0], 0, MAX_NAME, forbid=":")
-        for j, x in enumerate(value[1:], start=1):
-            if type(x) is not int:
-                raise TypeError(f"{name}[{j}]: expected int, got {type(x).__name__}")
-            lo = 1 if j == width - 1 else 0  # sizes are positive, offsets may be 0
-            if not lo <= x < U64:
-                raise ValueError(f"{name}[{j}] must be in [{lo}, 2**64), got {x}")
-
-    return check
-
-
-def _pools(width: int, lo: int) -> Any:
-    """A list of pool entries with unique names."""
-    each = _list_of(_pool_entry(width), lo, MAX_POOLS)
-
-    def check(inst: object, attr: attrs.Attribute, value: Any) -> None:
-        each(inst, attr, value)
-        names = [entry[0] for entry in value]
-        if len(set(names)) != len(names):
-            raise ValueError(f"{attr.name}: pool names must be unique")
-
-    return check
-
-
-def _to_tuples(value: Any) -> Any:
-    """Accept lists for pool entries (as they come off the wire) and store tuples."""
-    if type(value) is list:
-        return [tuple(x) if type(x) is list else x for x in value]
-    return value
-
-
-def _each_str(lo: int, hi: int) -> Any:
-    return lambda name, x: _check_str(name, x, lo, hi)
-
-
-def _str_map(_inst: object, attr: attrs.Attribute, value: Any) -> None:
-    if type(value) is not dict:
-        raise TypeError(f"{attr.name}: expected map, got {type(value).__name__}")
-    if len(value) > MAX_BACKEND_OPTIONS:
-        raise ValueError(f"{attr.name} has {len(value)} entries, at most {MAX_BACKEND_OPTIONS}")
-    for k, v in value.items():
-        _check_str(f"{attr.name} key", k, 1, MAX_NAME)
-        _check_str(f"{attr.name}[{k!r}]", v, 0, MAX_PATH)
-
-
-_u64 = _int(0, U64 - 1)
-_pid = _int(1, (1 << 31) - 1)
-_index = _int(0, MAX_GROUPS - 1)
-_port = _int(0, 65535)
-_bound_port = _int(1, 65535)
-
-
 # --- messages ---
 
 
@@ -210,10 +96,10 @@ _bound_port = _int(1, 65535)
 class G3Description:
     """A plain description of the claimant's G3 (file) tier, compared by the service."""
 
-    paths: list[str] = attrs.field(validator=_list_of(_each_str(1, MAX_PATH), 1, MAX_G3_PATHS))
-    capacity_bytes_per_file: int = attrs.field(validator=_int(1, U64 - 1))
-    backend: str = attrs.field(validator=_str(1, MAX_BACKEND))
-    backend_options: dict[str, str] = attrs.field(validator=_str_map)
+    paths: list[str] = attrs.field(validator=list_of(each_str(1, MAX_PATH), 1, MAX_G3_PATHS))
+    capacity_bytes_per_file: int = attrs.field(validator=int_in(1, U64 - 1))
+    backend: str = attrs.field(validator=str_of(1, MAX_BACKEND))
+    backend_options: dict[str, str] = attrs.field(validator=str_map)
 
 
 @attrs.frozen
@@ -221,24 +107,24 @@ class ClaimRequest:
     """Claim pool group ``guard_index``; the claimant's pidfd travels with it (SCM_RIGHTS)."""
 
     TYPE: ClassVar[str] = "claim"
-    guard_index: int = attrs.field(validator=_index)
-    pool_layouts: list[tuple[str, int]] = attrs.field(converter=_to_tuples, validator=_pools(2, 1))
-    compatibility_digest: str = attrs.field(validator=_str(1, MAX_DIGEST))
-    control_host: str = attrs.field(validator=_str(1, MAX_HOST))
-    control_port: int = attrs.field(validator=_port)  # 0: the service picks one
+    guard_index: int = attrs.field(validator=group_index)
+    pool_layouts: list[tuple[str, int]] = attrs.field(converter=to_tuples, validator=pools(2, 1))
+    compatibility_digest: str = attrs.field(validator=str_of(1, MAX_DIGEST))
+    control_host: str = attrs.field(validator=str_of(1, MAX_HOST))
+    control_port: int = attrs.field(validator=port_field)  # 0: the service picks one
     g3: G3Description | None = attrs.field(
         validator=attrs.validators.optional(attrs.validators.instance_of(G3Description))
     )
-    remote_fw_dram_backend: str = attrs.field(validator=_str(1, MAX_BACKEND))
-    pid: int = attrs.field(validator=_pid)
+    remote_fw_dram_backend: str = attrs.field(validator=str_of(1, MAX_BACKEND))
+    pid: int = attrs.field(validator=pid_field)
     # The host peers reach the endpoint at, when it differs from (or is a wildcard for)
     # control_host: the service advertises it when it serves the group itself.
     control_advertise: str | None = attrs.field(
-        default=None, validator=attrs.validators.optional(_str(1, MAX_HOST))
+        default=None, validator=attrs.validators.optional(str_of(1, MAX_HOST))
     )
     # Re-attach a group this process still maps, lent by a service that has since died: the
     # group file and the control listener travel after the pidfd (SCM_RIGHTS).
-    reattach: bool = attrs.field(default=False, validator=_bool)
+    reattach: bool = attrs.field(default=False, validator=boolean)
 
 
 @attrs.frozen
@@ -247,19 +133,19 @@ class ClaimGranted:
     travel with it (SCM_RIGHTS, in that order)."""
 
     TYPE: ClassVar[str] = "granted"
-    guard_index: int = attrs.field(validator=_index)
-    lease: int = attrs.field(validator=_u64)
+    guard_index: int = attrs.field(validator=group_index)
+    lease: int = attrs.field(validator=u64)
     pools: list[tuple[str, int, int]] = attrs.field(  # (name, offset in the group file, size)
-        converter=_to_tuples, validator=_pools(3, 1)
+        converter=to_tuples, validator=pools(3, 1)
     )
-    journal_offset: int = attrs.field(validator=_u64)
-    journal_size: int = attrs.field(validator=_int(1, U64 - 1))
-    group_path: str = attrs.field(validator=_str(1, MAX_PATH))
-    control_host: str = attrs.field(validator=_str(1, MAX_HOST))
-    control_port: int = attrs.field(validator=_bound_port)
+    journal_offset: int = attrs.field(validator=u64)
+    journal_size: int = attrs.field(validator=int_in(1, U64 - 1))
+    group_path: str = attrs.field(validator=str_of(1, MAX_PATH))
+    control_host: str = attrs.field(validator=str_of(1, MAX_HOST))
+    control_port: int = attrs.field(validator=bound_port)
     # How often the holder's runtime beats on this connection (0: the service fences by
     # process exit alone, and no beats are expected).
-    heartbeat_ms: int = attrs.field(default=0, validator=_int(0, MAX_HEARTBEAT_MS))
+    heartbeat_ms: int = attrs.field(default=0, validator=int_in(0, MAX_HEARTBEAT_MS))
 
 
 @attrs.frozen
@@ -268,16 +154,16 @@ class Heartbeat:
     for the lease's life; ``seq`` grows by one per beat. No reply."""
 
     TYPE: ClassVar[str] = "beat"
-    guard_index: int = attrs.field(validator=_index)
-    lease: int = attrs.field(validator=_u64)
-    seq: int = attrs.field(validator=_u64)
+    guard_index: int = attrs.field(validator=group_index)
+    lease: int = attrs.field(validator=u64)
+    seq: int = attrs.field(validator=u64)
 
 
 @attrs.frozen
 class ClaimRefused:
     TYPE: ClassVar[str] = "refused"
-    code: str = attrs.field(validator=_one_of(REFUSAL_CODES))
-    message: str = attrs.field(validator=_str(0, MAX_REFUSAL))
+    code: str = attrs.field(validator=one_of(REFUSAL_CODES))
+    message: str = attrs.field(validator=str_of(0, MAX_REFUSAL))
 
 
 @attrs.frozen
@@ -285,16 +171,16 @@ class Release:
     """Give the group back; ``activated`` says whether the worker ever served from it."""
 
     TYPE: ClassVar[str] = "release"
-    guard_index: int = attrs.field(validator=_index)
-    lease: int = attrs.field(validator=_u64)
-    activated: bool = attrs.field(validator=_bool)
+    guard_index: int = attrs.field(validator=group_index)
+    lease: int = attrs.field(validator=u64)
+    activated: bool = attrs.field(validator=boolean)
 
 
 @attrs.frozen
 class ReleaseAck:
     TYPE: ClassVar[str] = "release_ack"
-    guard_index: int = attrs.field(validator=_index)
-    lease: int = attrs.field(validator=_u64)
+    guard_index: int = attrs.field(validator=group_index)
+    lease: int = attrs.field(validator=u64)
 
 
 @attrs.frozen
@@ -304,26 +190,30 @@ class StatusRequest:
 
 @attrs.frozen
 class GroupStatus:
-    index: int = attrs.field(validator=_index)
-    state: str = attrs.field(validator=_one_of(GROUP_STATES))
-    holder_pid: int | None = attrs.field(validator=_optional_int(1, (1 << 31) - 1))
-    layouts: list[tuple[str, int]] = attrs.field(converter=_to_tuples, validator=_pools(2, 0))
-    control_port: int | None = attrs.field(validator=_optional_int(1, 65535))
+    index: int = attrs.field(validator=group_index)
+    state: str = attrs.field(validator=one_of(GROUP_STATES))
+    holder_pid: int | None = attrs.field(validator=optional_int(1, (1 << 31) - 1))
+    layouts: list[tuple[str, int]] = attrs.field(converter=to_tuples, validator=pools(2, 0))
+    control_port: int | None = attrs.field(validator=optional_int(1, 65535))
     # What the group's journal holds, as the service last read it (None: never read).
-    journal_fill_percent: int | None = attrs.field(default=None, validator=_optional_int(0, 100))
-    journal_blocks: int | None = attrs.field(default=None, validator=_optional_int(0, U64 - 1))
-    recovery_disabled: bool = attrs.field(default=False, validator=_bool)
+    journal_fill_percent: int | None = attrs.field(default=None, validator=optional_int(0, 100))
+    journal_blocks: int | None = attrs.field(default=None, validator=optional_int(0, U64 - 1))
+    recovery_disabled: bool = attrs.field(default=False, validator=boolean)
     # Holders of this group fenced for missed heartbeats since the service started, and how
     # long ago the current holder last beat (None: no holder, or no heartbeat required).
-    fenced: int = attrs.field(default=0, validator=_u64)
-    last_beat_ms: int | None = attrs.field(default=None, validator=_optional_int(0, U64 - 1))
+    fenced: int = attrs.field(default=0, validator=u64)
+    last_beat_ms: int | None = attrs.field(default=None, validator=optional_int(0, U64 - 1))
+    # Blocks the service wrote to peers while serving the group, and those of them it read
+    # from the group's G3 files (since the service started; absent in older frames).
+    served_blocks: int = attrs.field(default=0, validator=u64)
+    served_g3_blocks: int = attrs.field(default=0, validator=u64)
 
 
 @attrs.frozen
 class StatusReply:
     TYPE: ClassVar[str] = "status_reply"
     groups: list[GroupStatus] = attrs.field(
-        validator=_list_of(
+        validator=list_of(
             lambda name, x: _expect(name, x, GroupStatus),
             0,
             MAX_GROUPS,

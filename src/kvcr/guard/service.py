@@ -151,7 +151,7 @@ class GuardService:
 
     def _readings(self) -> list[GroupReading]:
         return [
-            GroupReading(status, guard.serving_blocks())
+            GroupReading(status, guard.serving_blocks(), guard.serving_g3_blocks())
             for status, guard in zip(self.connections.status(), self.guards)
         ]
 

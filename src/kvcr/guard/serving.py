@@ -8,25 +8,40 @@ pulls aimed at the dead worker's incarnation are refused at once (``Over``), aft
 they ask this new incarnation and get whatever it holds. It runs in the service's own trio
 loop; its blocking NIXL setup and teardown go through ``trio.to_thread``.
 
+If the group's terms name G3 files, the server opens them too (their locks died with the
+holder), keeps the journal's G3 records that the files still vouch for, as the next holder
+would, and serves those blocks through bounce slots of its own (``runtime/bounce.py``):
+each is read from its file, checked against its record, and written to the peer with the
+pull's G2 blocks. The server never writes the files, and never evicts to make room.
+
 To hand the group back, the server's task is cancelled: the runtime then stops in order
-(it waits for writes in flight, bounded by ``abandon_timeout_ms``) and flushes its mirror,
-so the next holder recovers the same state.
+(it waits for writes and G3 reads in flight, bounded by ``abandon_timeout_ms``), flushes
+its mirror and closes the G3 files, so the next holder recovers the same state and can lock
+the files. A transfer still in flight then keeps the files open and the group unusable.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+from pathlib import Path
 from typing import Any
 
 import attrs
 import trio
 
-from kvcr.config import KVCRBackendConfigs, KVCRConfig, LocalDramOptions, RemoteFWDramOptions
+from kvcr.config import (
+    InstanceG3Options,
+    KVCRBackendConfigs,
+    KVCRConfig,
+    LocalDramOptions,
+    RemoteFWDramOptions,
+)
 from kvcr.control_channels import ZmqPeerControlChannel
 from kvcr.guard.pools import GroupMapping
 from kvcr.guard.rules import Terms
-from kvcr.runtime.build import build
+from kvcr.runtime.bounce import BounceBuffer
+from kvcr.runtime.build import bounce_for, build
 from kvcr.runtime.context import Journal
 from kvcr.runtime.memory import MemoryMap
 from kvcr.runtime.mirror import Followed
@@ -45,7 +60,8 @@ def agent_name(index: int) -> str:
 def server_configs(
     name: str, terms: Terms, mapping: GroupMapping
 ) -> tuple[KVCRConfig, KVCRBackendConfigs]:
-    """The config of a server of the group: its pools as the holder laid them out."""
+    """The config of a server of the group: its pools as the holder laid them out, and its
+    G3 files, which the holder's claim named already expanded for its instance."""
     layouts = list(terms.layouts)
     pools = [
         (pool, address, size)
@@ -54,18 +70,34 @@ def server_configs(
         )
     ]
     config = KVCRConfig(name, layouts)
+    g3 = None
+    if terms.g3 is not None:
+        paths = tuple(Path(p) for p in terms.g3.paths)
+        g3 = InstanceG3Options(
+            paths=paths,
+            capacity_bytes_per_file=terms.g3.capacity_bytes_per_file,
+            backend=terms.g3.backend,
+            backend_options=dict(terms.g3.backend_options),
+            templates=paths,
+        )
     backends = KVCRBackendConfigs(
         local_dram=LocalDramOptions(pools=pools),
+        g3=g3,
         remote_fw_dram=RemoteFWDramOptions(eager_ctrl_connect=False, backend=terms.backend),
     )
     return config, backends
 
 
-def group_memory(terms: Terms, mapping: GroupMapping) -> MemoryMap:
-    """The memory map a server of the group has: its pools, no engine regions."""
+def group_memory(
+    terms: Terms, mapping: GroupMapping, bounce: BounceBuffer | None = None
+) -> MemoryMap:
+    """The memory map a server of the group has: its pools, no engine regions, and the
+    bounce slots of its G3 blocks, if it has any."""
     config, backends = server_configs("map", terms, mapping)
     assert backends.local_dram is not None
-    return MemoryMap(config.nixl_agent_name, config.pool_layouts, backends.local_dram.pools, [])
+    return MemoryMap(
+        config.nixl_agent_name, config.pool_layouts, backends.local_dram.pools, [], bounce
+    )
 
 
 @attrs.define(eq=False)
@@ -76,20 +108,22 @@ class Standby:
 
     name: str
     transport: Any
+    bounce: BounceBuffer | None  # registered with the transport: the server's to use
 
     @classmethod
     def open(cls, index: int, terms: Terms, mapping: GroupMapping) -> Standby:
         """Blocking (NIXL set-up): run it off the service's loop."""
         name = agent_name(index)
         config, backends = server_configs(name, terms, mapping)
-        memory = group_memory(terms, mapping)
+        bounce = bounce_for(config, backends, peers=True)
+        memory = group_memory(terms, mapping, bounce)
         transport = nixl_factory(config, backends)()
         try:
             transport.open_local(memory.segments)
         except BaseException:
             transport.close()
             raise
-        return cls(name, transport)
+        return cls(name, transport, bounce)
 
     def close(self) -> None:
         """Blocking: deregister and close the unused transport."""
@@ -129,6 +163,10 @@ class GroupServer:
         """Blocks this server's runtime has written to peers."""
         return int(self.runtime.gauges().get("source_written_blocks", 0))
 
+    def served_g3_blocks(self) -> int:
+        """... of which it read from the group's G3 files."""
+        return int(self.runtime.gauges().get("source_g3_blocks", 0))
+
     @classmethod
     def prepare(
         cls,
@@ -167,6 +205,7 @@ class GroupServer:
                 control=channel,
                 journal=Journal(journal, index, followed),
                 offload_blocking=True,  # the service's loop serves every group and claim
+                bounce=standby.bounce if standby is not None else None,
             )
         except BaseException:
             # Not handed to a runtime: ours to let go of (a live view would keep the group

@@ -23,6 +23,7 @@ import attrs
 from kvcr.bindings import NOTIFIED, KVCRBindings
 from kvcr.config import FrameworkControl, KVCRBackendConfigs, KVCRConfig, for_instance
 from kvcr.policy import G3LRUPolicy, KVCachePolicy, LRUPolicy
+from kvcr.runtime.bounce import BounceBuffer, bounce_slot_count
 from kvcr.runtime.context import Context, Journal, Shared
 from kvcr.runtime.engine_calls import EngineCalls, EngineSide
 from kvcr.runtime.inbox import Inbox
@@ -81,6 +82,19 @@ def g2_index(
     return BlockIndex(pools, **index_options(policy)), journal
 
 
+def bounce_for(
+    config: KVCRConfig, backend_configs: KVCRBackendConfigs, peers: bool
+) -> BounceBuffer | None:
+    """The bounce buffer of a runtime that serves its G3 blocks to peers (G3, local DRAM and
+    a peer plane), else None."""
+    g3 = backend_configs.g3
+    if g3 is None or backend_configs.local_dram is None or not peers:
+        return None
+    block = config.pool_layouts[0][1]  # G3 needs exactly one pool
+    blocks = len(g3.paths) * (g3.capacity_bytes_per_file // block)
+    return BounceBuffer(block, bounce_slot_count(block, blocks))
+
+
 def build(
     config: KVCRConfig,
     backend_configs: KVCRBackendConfigs,
@@ -91,9 +105,12 @@ def build(
     control: FrameworkControl | None = None,
     journal: Journal | None = None,
     offload_blocking: bool = False,
+    bounce: BounceBuffer | None = None,
 ) -> Built:
     """A runtime, not started yet (``await built.runtime.serve()`` runs it). ``control``
-    stands in for ``bindings.framework_control`` when there are no bindings."""
+    stands in for ``bindings.framework_control`` when there are no bindings. ``bounce``:
+    the bounce buffer a transport opened ahead of the runtime registered (the guard's
+    standby); a runtime with G3 and peers maps its own otherwise."""
     # KVCR() has expanded them already (the guard claim needs the files); this covers every
     # other builder, so that no runtime opens a file named after an unexpanded template.
     backend_configs = for_instance(
@@ -101,11 +118,15 @@ def build(
     )
     policy = resolve_policy(bindings, backend_configs)
     local = backend_configs.local_dram
+    control = bindings.framework_control if bindings is not None else control
+    if bounce is None:
+        bounce = bounce_for(config, backend_configs, control is not None)
     memory = MemoryMap(
         config.nixl_agent_name,
         config.pool_layouts,
         local.pools if local is not None else [],
         backend_configs.framework_regions,
+        bounce,
     )
     op_ids = itertools.count(time.time_ns() // 1000)
     fw_g1 = any(r.mem_type == "VRAM" for r in backend_configs.framework_regions)
@@ -114,7 +135,7 @@ def build(
         memory=memory,
         policy=policy,
         source_tier=CacheTier.FW_G1 if fw_g1 else CacheTier.FW_G2,
-        control=bindings.framework_control if bindings is not None else control,
+        control=control,
         remote=backend_configs.remote_fw_dram,
         g3=backend_configs.g3,
         cluster_key=cluster_key_from_env(),
@@ -122,6 +143,7 @@ def build(
         op_ids=lambda: next(op_ids),
         release_ids=itertools.count(time.time_ns() // 1000),
         offload_blocking=offload_blocking,
+        bounce=bounce,
     )
     present = frozenset(
         name

@@ -18,6 +18,7 @@ import attrs
 
 from kvcr.config import FrameworkControl, G3Options, KVCRConfig, RemoteFWDramOptions
 from kvcr.policy import KVCachePolicy
+from kvcr.runtime.bounce import BounceBuffer
 from kvcr.runtime.engine_calls import EngineCalls
 from kvcr.runtime.inbox import Inbox
 from kvcr.runtime.memory import MemoryMap
@@ -48,6 +49,9 @@ class Context:
     # Blocking NIXL set-up and teardown through trio.to_thread: for a loop that others share
     # (the guard service's). A runtime with a thread of its own blocks only itself.
     offload_blocking: bool = False
+    # Where G3 blocks are staged on their way to a peer (``bounce.py``); the memory map
+    # names its slots. Referenced here so that it lives as long as the runtime.
+    bounce: BounceBuffer | None = None
 
 
 @attrs.frozen(eq=False)

@@ -27,9 +27,10 @@ Source, a :class:`SourceJob` (:data:`JOB`)::
        │                 │                 │                              │
        └─end─▶ over ◀────┴──── end ────────┴──────────── end ─────────────┘
 
-``pending`` claims the keys in local G2 and waits for engine pins (``end``: cancelled by a
-probe, nothing to write, or the pins' deadline, ``operation_timeout_ms`` from the pull's
-arrival). A write is timed from its posting: ``late`` is ``operation_timeout_ms`` with the
+``pending`` claims the keys in local G2, reads the keys only G3 holds into bounce slots
+(``staging.py``) and waits for engine pins (``end``: cancelled by a probe, nothing to
+write, or the deadline of the pins and the G3 read, ``operation_timeout_ms`` from the
+pull's arrival). A write is timed from its posting: ``late`` is ``operation_timeout_ms`` with the
 write still running, and the source stops taking new pulls until it ends. At
 ``abandon_timeout_ms`` the write is cancelled if the transport can (a NIXL peer write never
 is: over TCP it would resume later); if not, engine memory it reads is
@@ -246,6 +247,11 @@ class SourceJob:
     # must not make a healthy write look stalled.
     write_clock: Deadlines | None = None
     pinned_keys: list[BlockKey] = attrs.field(factory=list)  # written from engine memory
+    # Bounce slots lent to the job for its G3 keys (``staging.py``); ``reading`` while the
+    # G3 read into them runs; ``staged``: key index -> bounce descriptor of what arrived.
+    bounce: list[int] = attrs.field(factory=list)
+    reading: bool = False
+    staged: dict[int, int] = attrs.field(factory=dict)
 
     @property
     def keys(self) -> list[BlockKey]:

@@ -5,7 +5,8 @@ the runtime runs: ``resolve`` turns an engine ``MemoryRef`` into a global descri
 on the calling thread, and a bad ref is rejected before anything is enqueued.
 
 Descriptor numbering: pools first, in ``pool_layouts`` order (slot ``s`` of pool ``p`` is
-``pool_base[p] + s``), then framework regions in their configured order.
+``pool_base[p] + s``), then framework regions in their configured order, then the bounce
+slots (``bounce.py``: G3 blocks on their way to a peer), if the runtime has any.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from kvcr.runtime.bounce import BounceBuffer
 from kvcr.transport.base import Descriptors, Segment
 from kvcr.types import BlockKey, MemoryRef, PoolBlockLayouts, RegionDescriptor
 
@@ -27,6 +29,7 @@ class MemoryMap:
         pool_layouts: PoolBlockLayouts,
         pools: Sequence[tuple[str, int, int]],
         framework_regions: Sequence[RegionDescriptor],
+        bounce: BounceBuffer | None = None,
     ) -> None:
         self.agent_name = agent_name
         self.pool_names = [name for name, _ in pool_layouts]
@@ -55,6 +58,17 @@ class MemoryMap:
             )
             self.regions[region.label] = (region, base)
             base += region.count
+        # Bounce slots are one block of the one pool each (G3 needs exactly one pool).
+        self.bounce_base, self.bounce_slots = base, 0
+        if bounce is not None:
+            if self._pool_count != 1 or bounce.block != self.block_sizes[0]:
+                raise ValueError(
+                    f"bounce buffer: {bounce.block}-byte slots need exactly one pool of that "
+                    f"block size, the layout has {list(zip(self.pool_names, self.block_sizes))}"
+                )
+            self.segments.append(Segment("bounce", bounce.addr, bounce.block, bounce.slots))
+            self.bounce_slots = bounce.slots
+            base += bounce.slots
         # For the one-pool fast path of resolve_blocks: regions whose elements fit the pool.
         one = self.block_sizes[0] if self._pool_count == 1 else -1
         self._fitting = {

@@ -9,8 +9,10 @@ from typing import Any
 
 import attrs
 
+from kvcr.runtime.bounce import BounceSlots
 from kvcr.runtime.context import Context
 from kvcr.runtime.destination import Destination
+from kvcr.runtime.g3 import G3Tier
 from kvcr.runtime.links import Links
 from kvcr.runtime.local import LocalG2
 from kvcr.runtime.ops import Outbox
@@ -40,6 +42,7 @@ class Peers:
         transfers: Transfers[Transport],
         index: BlockIndex,
         local: LocalG2 | None,
+        g3: G3Tier | None,
         pins: Pins,
         outbox: Outbox,
         telemetry: Telemetry,
@@ -58,11 +61,14 @@ class Peers:
             telemetry=telemetry,
             log=log,
         )
+        bounce = memory.bounce_slots
         source = Source(
             plane=plane,
             transfers=transfers,
             index=index,
             local=local,
+            g3=g3 if bounce else None,
+            bounce=BounceSlots(memory.bounce_base, bounce) if g3 is not None and bounce else None,
             pins=pins,
             memory=memory,
             config=config,
@@ -110,5 +116,6 @@ class Peers:
             "source_jobs": len(source.jobs),
             "source_stalled": int(source.stalled),
             "source_written_blocks": source.written_blocks,
+            "source_g3_blocks": source.g3_blocks,
             **self.plane.counts(),
         }

@@ -236,7 +236,8 @@ class Runtime:
         finally:
             self.leaked = leaked
             if leaked:
-                _LEAKED.append(transport)
+                # The G3 agent and the bounce buffer too: they register the same memory.
+                _LEAKED.extend([transport, self.g3, self.context.bounce])
                 self.log.error(
                     "transport_leaked",
                     reason="transfers still in flight at close; memory stays registered",
@@ -341,6 +342,7 @@ class Runtime:
             transfers=self.transfers,
             index=self.index,
             local=self.tiers.local,
+            g3=self.tiers.g3,  # started first: its blocks are served to peers too
             pins=pins,
             outbox=self.outbox,
             telemetry=self.telemetry,
@@ -360,7 +362,14 @@ class Runtime:
                 await self.g3.transfers.wait_idle()
             while links is not None and links.pulls_in_flight():
                 await trio.sleep(0.005)
-        return self.transfers.in_flight == 0 and not (links and links.pulls_in_flight())
+        # A G3 transfer counts as much as any: a read may still write into the pools (or
+        # the bounce slots), and the files must not be handed to a successor under it.
+        g3_busy = self.g3 is not None and self.g3.transfers.in_flight > 0
+        return (
+            self.transfers.in_flight == 0
+            and not g3_busy
+            and not (links and links.pulls_in_flight())
+        )
 
     async def _pump(self) -> None:
         while True:

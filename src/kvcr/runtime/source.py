@@ -1,10 +1,11 @@
 """The source side of peer reuse: serving a destination's pull.
 
 A pull names keys and where to write them. The source claims the keys it holds in local
-G2, asks the engine to pin the others (``request_pin``), and writes everything it has in
-one NIXL WRITE whose notification (``Written``) names what was written; when it writes
-nothing, or the write fails, it sends ``Over`` instead. Claims and pins are released only
-when the write is terminal.
+G2, reads those only its G3 holds into bounce slots (``staging.py``), asks the engine to
+pin the others (``request_pin``), and writes everything it has in one NIXL WRITE whose
+notification (``Written``) names what was written; when it writes nothing, or the write
+fails, it sends ``Over`` instead. Claims, bounce slots and pins are released only when the
+write is terminal (bounce slots: and the G3 read into them).
 
 A pull is acted on at most once: the source remembers the requests it served, refused or
 declared over in a probe answer, so a duplicate, or a pull that arrives after the probe the
@@ -12,7 +13,7 @@ destination sent when it gave up on it, is dropped instead of writing into memor
 destination may already have handed back.
 
 Deadlines (``deadlines.Deadlines``; the states are ``lifecycle.JOB``): a pull still waiting for
-pins ``operation_timeout_ms`` after its arrival is dropped (``Over``). A write is timed
+pins or its G3 read ``operation_timeout_ms`` after its arrival is dropped (``Over``). A write is timed
 from its posting: still running ``operation_timeout_ms`` later, it stalls this source,
 which refuses new pulls until it ends; still running at ``abandon_timeout_ms``, it is
 cancelled if the transport can (NIXL peer writes never are), otherwise the pinned engine
@@ -30,7 +31,9 @@ from typing import Any
 import trio
 
 from kvcr.config import KVCRConfig
+from kvcr.runtime.bounce import BounceSlots
 from kvcr.runtime.deadlines import Deadlines
+from kvcr.runtime.g3 import G3Tier
 from kvcr.runtime.lifecycle import (
     LATE,
     WRITING,
@@ -47,6 +50,7 @@ from kvcr.runtime.ops import Outbox
 from kvcr.runtime.pins import Pins
 from kvcr.runtime.plane import Plane
 from kvcr.runtime.seen_pulls import SeenPulls
+from kvcr.runtime.staging import Staging
 from kvcr.runtime.transfers import WRITE_SETTLE_S, Transfers, Xfer
 from kvcr.store.index import BlockIndex
 from kvcr.telemetry import Telemetry
@@ -63,6 +67,8 @@ class Source:
         transfers: Transfers[Transport],
         index: BlockIndex,
         local: LocalG2 | None,
+        g3: G3Tier | None,  # its ready blocks are served too, through ``bounce``
+        bounce: BounceSlots | None,
         pins: Pins,
         memory: MemoryMap,
         config: KVCRConfig,
@@ -87,6 +93,10 @@ class Source:
         self.jobs: dict[tuple[int, int], SourceJob] = {}  # (dst incarnation, req) -> job
         self.seen = SeenPulls()
         self.written_blocks = 0  # keys written to destinations, for the guard's metrics
+        self.g3_blocks = 0  # ... of which read from G3 for the write
+        self.staging = (
+            Staging(g3=g3, slots=bounce, log=log) if g3 is not None and bounce is not None else None
+        )
         self.moves = Copies(log)  # a move pull's copies, dropped when the destination confirms
         self.closing = False
         self._settled = trio.Event()  # set whenever a job leaves "pending"
@@ -191,12 +201,14 @@ class Source:
             self.log.exception("source_job_failed", req=msg.req, error=repr(exc))
             self._end_job(job, "the source failed to prepare the write")
             return
-        if len(wanted) == len(msg.keys) or not self.memory.regions:
-            # Everything is in local G2, or there is no engine memory to pin the rest from
-            # (the guard serving a dead worker's pools): write now, without a task hop.
+        staging = self.staging
+        from_g3 = staging.wanted(job, wanted) if staging is not None else []
+        if len(wanted) == len(msg.keys) or not (self.memory.regions or from_g3):
+            # Everything is in local G2, or there is nowhere else to take the rest from
+            # (no G3 block of it, no engine memory to pin): write now, without a task hop.
             self._post(job, wanted)
             return
-        self.plane.spawn(self._serve, job, wanted)
+        self.plane.spawn(self._serve, job, wanted, from_g3)
 
     def on_probe(self, msg: m.Probe) -> None:
         job = self.jobs.get((msg.incarnation, msg.req))
@@ -213,39 +225,63 @@ class Source:
             m.ProbeAck(self.plane.my_endpoint(), self.plane.incarnation, msg.req, state.value),
         )
 
-    async def _serve(self, job: SourceJob, wanted: dict[int, list[int]]) -> None:
+    async def _serve(
+        self, job: SourceJob, wanted: dict[int, list[int]], from_g3: list[int]
+    ) -> None:
         try:
-            await self._pin_missing(job, wanted)
-        except Exception as exc:  # a bug must not leak claims or pins
+            await self._gather(job, wanted, from_g3)
+        except Exception as exc:  # a bug must not leak claims, bounce slots or pins
             self.log.exception("source_job_failed", req=job.msg.req, error=repr(exc))
             if job.state is JobState.PENDING:
                 self._end_job(job, "the source failed to prepare the write")
 
-    async def _pin_missing(self, job: SourceJob, wanted: dict[int, list[int]]) -> None:
-        """Ask the engine to pin the keys local G2 does not hold, then write."""
-        keys = job.keys
-        missing = [i for i in range(len(keys)) if i not in wanted]
+    async def _gather(
+        self, job: SourceJob, wanted: dict[int, list[int]], from_g3: list[int]
+    ) -> None:
+        """Read the keys ``from_g3`` into bounce slots and ask the engine to pin the keys
+        held nowhere else, both under the pull's deadline, then write."""
         with job.scope:
-            pin_started = trio.current_time()
-            what = f"source write req {job.msg.req} to {job.agent}"
-            pin = await self.pins.pin([keys[i] for i in missing], what)
-            self.telemetry.record(
-                "framework_pin_wait",
-                trio.current_time() - pin_started,
-                "success" if pin is not None else "failed",
-            )
-            if pin is not None:
-                job.pins.append(pin)
-                for i in missing:
-                    refs = pin.refs.get(keys[i])
-                    descs = self._resolve_pinned(refs) if refs is not None else None
-                    if descs is not None:
-                        wanted[i] = descs
-                        job.pinned_keys.append(keys[i])
+            read = None
+            if from_g3:
+                assert self.staging is not None
+                read = self.staging.read(job, from_g3)
+            if self.memory.regions:  # G3 keys that got no bounce slot may be pinned
+                await self._pin_missing(job, wanted, set(from_g3[: len(job.bounce)]))
+            if read is not None:
+                await read.done.wait()
         if job.scope.cancelled_caught:
-            self._end_job(job, "cancelled")
+            late = trio.current_time() >= job.clock.deadline
+            self._end_job(job, "timed out preparing the write" if late else "cancelled")
             return
+        for i, desc in job.staged.items():
+            wanted[i] = [desc]
         self._post(job, wanted)
+
+    async def _pin_missing(
+        self, job: SourceJob, wanted: dict[int, list[int]], staged: set[int]
+    ) -> None:
+        """Ask the engine to pin the keys neither local G2 nor a G3 read (``staged``)
+        provides."""
+        keys = job.keys
+        missing = [i for i in range(len(keys)) if i not in wanted and i not in staged]
+        if not missing:
+            return
+        pin_started = trio.current_time()
+        what = f"source write req {job.msg.req} to {job.agent}"
+        pin = await self.pins.pin([keys[i] for i in missing], what)
+        self.telemetry.record(
+            "framework_pin_wait",
+            trio.current_time() - pin_started,
+            "success" if pin is not None else "failed",
+        )
+        if pin is not None:
+            job.pins.append(pin)
+            for i in missing:
+                refs = pin.refs.get(keys[i])
+                descs = self._resolve_pinned(refs) if refs is not None else None
+                if descs is not None:
+                    wanted[i] = descs
+                    job.pinned_keys.append(keys[i])
 
     def _post(self, job: SourceJob, wanted: dict[int, list[int]]) -> None:
         """Write every wanted key whose destination ranges fit, in one transfer."""
@@ -316,6 +352,8 @@ class Source:
             self.telemetry.record("source_write", now - job.clock.start, result, *moved)
             if xfer.ok:
                 self.written_blocks += len(indices)
+                if job.staged:
+                    self.g3_blocks += sum(1 for i in indices if i in job.staged)
                 if msg.move:
                     self._await_confirm(job, indices)
                 self._end_job(job, None)
@@ -420,6 +458,8 @@ class Source:
         for pin in job.pins:
             self.pins.release(pin)
         job.pins.clear()
+        if self.staging is not None:
+            self.staging.release(job)
         self.jobs.pop((job.msg.incarnation, job.msg.req), None)
         if reason is not None:
             self.plane.send(
