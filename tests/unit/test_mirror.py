@@ -280,3 +280,56 @@ def test_a_key_put_again_moves_to_its_latest_slots_and_frees_the_old_ones() -> N
     assert contents(idx) == {b"a": (7, 7), b"b": (5, 6), b"c": (2, 2)}
     assert [p.free for p in idx.pools] == [5, 5] and idx.ready_count == 3
     assert idx.audit()["double"] == 0 and idx.audit()["quarantined"] == 0
+
+
+def test_a_detached_mirror_leaves_a_journal_nobody_trusts_and_writes_nothing() -> None:
+    idx = index()
+    buf = written([])
+    replayed, _ = recover(idx, buf, LOG)
+    mirror = Mirror(buf, idx, replayed.g3, group=2, log=LOG)
+    idx.journal = mirror
+    kept = idx.add_filling(b"kept", now=0.0)
+    idx.commit(kept, score=0.0)
+    idx.flush_journal()
+    with capture_events() as events:
+        mirror.detach()  # the guard service is gone
+    assert [e["event"] for e in events] == ["KVCR pool recovery disabled"]
+    assert "re-attached" in events[0]["reason"]
+    lost = journal.read(buf)
+    assert lost.disabled and lost.state == {}  # an heir starts cold, never from stale slots
+    before = bytes(buf)
+    idx.remove(kept)  # its slot is handed out again: the journal must not say where it was
+    later = idx.add_filling(b"later", now=0.0)
+    idx.commit(later, score=0.0)
+    mirror.g3_committed_many([b"on-disk"], [(4, 99)])
+    idx.flush_journal()
+    assert not mirror.flush() and not mirror.recording and mirror.fill_percent == 100
+    assert bytes(buf) == before  # not one byte written while detached
+    assert mirror.position() is None  # nobody may resume this journal
+
+
+def test_reattached_the_mirror_journals_again_from_a_snapshot_of_the_live_state() -> None:
+    idx = index()
+    buf = written([(journal.PUT_G3, b"old-g3", (1, 5))])
+    replayed, _ = recover(idx, buf, LOG)
+    mirror = Mirror(buf, idx, replayed.g3, group=2, log=LOG)
+    idx.journal = mirror
+    mirror.detach()
+    # While detached: G2 and G3 change (the G3 records are still tracked for the snapshot).
+    block = idx.add_filling(b"while-away", now=0.0)
+    idx.commit(block, score=0.0)
+    mirror.g3_removed_many([b"old-g3"])
+    mirror.g3_committed_many([b"new-g3"], [(2, 7)])
+    epoch = journal.read(buf).epoch
+    with capture_events() as events:
+        mirror.attach()
+    assert [e["event"] for e in events] == ["KVCR pool recovery enabled again"]
+    assert mirror.recording
+    replay = journal.read(buf)
+    assert not replay.disabled and replay.epoch > epoch
+    assert replay.state == {b"while-away": journal.Residency(journal.PUT_G2, block.slots)}
+    assert replay.g3 == {b"new-g3": journal.Residency(journal.PUT_G3, (2, 7))}
+    # And it goes on publishing changes as before.
+    idx.remove(block)
+    idx.flush_journal()
+    assert journal.read(buf).state == {}
