@@ -21,6 +21,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from guard_metrics import group_value, metrics_url, scrape
 from guard_world import BLOCK, GuardedWorker
 from kvcr.guard import fdpass
 from kvcr.guard import protocol as wire
@@ -38,7 +39,10 @@ def guard(tmp_path) -> Iterator[GuardProcess]:
     service = GuardProcess(
         tmp_path,
         pool_sizes_gb="0.03125",  # 512 blocks of 64 KiB
-        extra=("--idle-timeout-s", "0.5", "--heartbeat-timeout-ms", str(TIMEOUT_MS)),
+        extra=(
+            *("--idle-timeout-s", "0.5", "--heartbeat-timeout-ms", str(TIMEOUT_MS)),
+            *("--metrics-port", "0"),
+        ),
     )
     try:
         yield service
@@ -77,6 +81,9 @@ def test_a_stopped_holder_is_fenced_and_its_blocks_served_within_the_timeout(gua
         assert elapsed <= TIMEOUT_MS / 1000 + 0.2, f"served {elapsed:.3f} s after the stop"
         assert worker.proc.wait(10) == -signal.SIGKILL
         assert group_status(guard, 0).fenced == 1
+        samples = scrape(metrics_url(guard))
+        assert group_value(samples, "kvcr_guard_fenced_total", 0) == 1
+        assert group_value(samples, "kvcr_guard_fenced_total", 1) == 0
         log = guard.log()
         assert "holder_fenced" in log and f"pid={worker.proc.pid}" in log
         assert f"timeout_ms={TIMEOUT_MS}" in log
@@ -139,6 +146,9 @@ def test_duplicate_beats_do_not_keep_a_holder_alive(guard) -> None:
         assert rogue.wait(10) == -signal.SIGKILL
         assert time.monotonic() - claimed < TIMEOUT_MS / 1000 + 1
         wait_until(lambda: guard.states()[0][1] is None, what="lease ended")
+        samples = scrape(metrics_url(guard))
+        refused = ("kvcr_guard_heartbeats_refused_total", (("reason", "duplicate"),))
+        assert samples[refused] >= 1
         log = guard.log()
         assert "heartbeat_ignored" in log and "kind='duplicate'" in log
         assert log.count("kind='duplicate'") == 1  # once per kind and link, not per beat
