@@ -14,8 +14,11 @@ import trio
 import trio.testing
 
 from kvcr.guard.fencing import UNKILLABLE_AFTER_S, fence_when_silent
+from kvcr.guard.guard import Guard
 from kvcr.guard.heartbeat import MIN_GAP_S, Beats, Verdict
-from kvcr.guard.rules import Lease
+from kvcr.guard.pools import create_group_file, plan_group
+from kvcr.guard.protocol import ClaimRequest
+from kvcr.guard.rules import Groups, GroupState, Lease
 from kvcr.logs import capture_events, get_logger
 
 TIMEOUT_S = 1.0
@@ -106,3 +109,51 @@ async def test_a_lease_that_ended_meanwhile_is_not_fenced(child, autojump_clock)
         assert events == [] and child.poll() is None  # untouched
     finally:
         os.close(pidfd)
+
+
+async def test_a_lease_granted_right_after_a_release_is_still_fenced(
+    tmp_path, autojump_clock
+) -> None:
+    """The release ends the old lease's watch, but the Guard's task only finishes ending it
+    at its next turn: a claim granted before that turn must not lose its beats' deadline
+    (a holder that then stopped was never fenced)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    groups = Groups(1, [page], "d")
+    guard = Guard(
+        0, create_group_file(tmp_path, 0, plan_group([page])), groups, get_logger("t"), None, 1.0
+    )
+    first = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    second = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(guard.run)
+            one = groups.grant(claim(first.pid), 5000)
+            guard.watch(one, os.pidfd_open(first.pid))
+            await trio.sleep(0.5)
+            guard.released(one.number)
+            two = groups.grant(claim(second.pid), 5000)  # in the same turn as the release
+            guard.watch(two, os.pidfd_open(second.pid))
+            # The second holder never beats: fenced one timeout after its grant.
+            await trio.sleep(1.2)
+            assert groups[0].state is GroupState.FENCING
+            assert second.wait(10) == -signal.SIGKILL
+            nursery.cancel_scope.cancel()
+        assert first.poll() is None  # released, never signalled
+    finally:
+        for proc in (first, second):
+            proc.kill()
+            proc.wait()
+        guard.close()
+
+
+def claim(pid: int) -> ClaimRequest:
+    return ClaimRequest(
+        guard_index=0,
+        pool_layouts=[("", 4096)],
+        compatibility_digest="d",
+        control_host="127.0.0.1",
+        control_port=0,
+        g3=None,
+        remote_fw_dram_backend="UCX",
+        pid=pid,
+    )

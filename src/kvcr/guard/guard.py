@@ -72,7 +72,9 @@ class Guard:
         self.lock = trio.Lock()  # one claim of this group at a time, across awaits
         self.listener: socket.socket | None = None
         # Unbounded, yet short: a lease is queued per grant and taken at the Guard's next turn.
-        self._send, self._leases = trio.open_memory_channel[tuple[Lease, int]](math.inf)
+        self._send, self._leases = trio.open_memory_channel[tuple[Lease, int, Beats | None]](
+            math.inf
+        )
         self._watch: tuple[int, trio.CancelScope] | None = None
         # Servers started and not known to have stopped in order: one that did not keeps
         # the group mapped at service stop (a transfer of it may still read the pools).
@@ -122,11 +124,14 @@ class Guard:
 
     def watch(self, lease: Lease, pidfd: int) -> None:
         """Fence ``lease`` by ``pidfd`` (now owned by the Guard) until it ends: its exit, and
-        its heartbeats if the service requires them (the grant counts as the first beat)."""
+        its heartbeats if the service requires them (the grant counts as the first beat).
+        The beats travel with the lease: ``run`` may still be ending the previous lease's
+        watch when this one is granted (a release, then a claim, in one scheduling round)."""
+        beats = None
         if self.heartbeat_timeout_s is not None:
-            self.beats = Beats(self.heartbeat_timeout_s, trio.current_time())
+            beats = Beats(self.heartbeat_timeout_s, trio.current_time())
         try:
-            self._send.send_nowait((lease, pidfd))
+            self._send.send_nowait((lease, pidfd, beats))
         except BaseException:
             close_quietly(pidfd)
             raise
@@ -138,20 +143,21 @@ class Guard:
             self._watch[1].cancel()
 
     async def run(self) -> None:
-        async for lease, pidfd in self._leases:
+        async for lease, pidfd, beats in self._leases:
             exited = False
             try:
                 with trio.CancelScope() as scope:
                     self._watch = (lease.number, scope)
                     current = self.groups[self.index].lease
                     if current is not None and current.number == lease.number:
+                        self.beats = beats
                         if self.nursery is not None:
                             self.nursery.start_soon(self._open_standby)
                         async with trio.open_nursery() as watch:
-                            if self.beats is not None:
+                            if beats is not None:
                                 watch.start_soon(
                                     fence_when_silent,
-                                    self.beats,
+                                    beats,
                                     lease,
                                     pidfd,
                                     self._fence,
@@ -164,7 +170,8 @@ class Guard:
                         )
             finally:
                 self._watch = None
-                self.beats = None
+                if self.beats is beats:
+                    self.beats = None
                 close_quietly(pidfd)
             if exited:
                 self.log.info("lease_ended", lease=lease.number, pid=lease.pid, reason="exited")
