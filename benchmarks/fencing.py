@@ -158,6 +158,7 @@ def stop_once(
     tries = 0
     clock = time.perf_counter
     fenced = service.client.status()[0].fenced
+    kind = f"{'fence' if fence else 'crash'} of holder {holder.pid}"
     try:
         t0, wall0 = clock(), time.time()
         os.kill(holder.pid, signal.SIGSTOP if fence else signal.SIGKILL)
@@ -176,7 +177,7 @@ def stop_once(
                 elif (arrived := peer.done(expected)) is not None and arrived:
                     seen["block"] = clock() - t0
             if clock() > deadline:
-                raise RuntimeError(f"{nblocks} blocks: no takeover in time: {seen}")
+                raise RuntimeError(f"{nblocks} blocks, {kind}: no takeover in time: {seen}")
             # Until the deadline nears, look every 10 ms: 2,000 status requests a second for
             # the whole stop would load the service that is about to take over.
             time.sleep(POLL_S if not fence or now > QUIET_S else 0.01)
@@ -234,6 +235,10 @@ def bench(rows: list[Row], nblocks: int, pairs: int, quiet: bool) -> None:
         fenced = service.client.status()[0].fenced
         if fenced != pairs:
             raise RuntimeError(f"the service fenced {fenced} holders, not {pairs}")
+    except BaseException:
+        tail = (service.dir / "service.log").read_text().splitlines()[-30:]
+        sys.stderr.write("the service's log, last lines:\n" + "\n".join(tail) + "\n")
+        raise
     finally:
         service.stop()
     add_rows(rows, f"{nblocks:,} blocks", runs[True], runs[False])
