@@ -25,7 +25,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -450,9 +450,17 @@ HOLDER = Path(__file__).resolve().parent / "recovery_holder.py"
 class GuardService:
     """``kvcr-guard`` in a child process, in a fresh directory in /dev/shm (removed at
     ``stop``), its log in ``service.log``; ``start_s`` is exec until ``status`` answers,
-    ``port`` a free port for group endpoints."""
+    ``port`` a free port for group endpoints; ``options``: further command-line options of
+    the service (e.g. ``--heartbeat-timeout-ms``)."""
 
-    def __init__(self, sizes_gb: str, digest: str, groups: int = 1, prefix: str = "kvcr-") -> None:
+    def __init__(
+        self,
+        sizes_gb: str,
+        digest: str,
+        groups: int = 1,
+        prefix: str = "kvcr-",
+        options: Sequence[str] = (),
+    ) -> None:
         self.digest = digest
         self.dir = Path(tempfile.mkdtemp(dir="/dev/shm", prefix=prefix))
         self.socket_path = str(self.dir / "g.sock")
@@ -465,6 +473,7 @@ class GuardService:
                     *("--pool-dir", str(self.dir / "pools"), "--guard-count", str(groups)),
                     *("--pool-sizes-gb", sizes_gb, "--compatibility-digest", digest),
                     *("--log-level", "INFO"),
+                    *options,
                 ],
                 stderr=log,
             )
@@ -481,19 +490,22 @@ class GuardService:
                 time.sleep(0.002)
         self.start_s = time.perf_counter() - started
 
+    def log_lines(self, event: str) -> list[str]:
+        """Every ``event`` line the service logged so far."""
+        text = (self.dir / "service.log").read_text()
+        return [line for line in text.splitlines() if f" {event} " in line]
+
     def log_seconds(self, event: str) -> list[float]:
         """The ``seconds=`` of every ``event`` line the service logged so far."""
-        text = (self.dir / "service.log").read_text()
         return [
             float(line.split("seconds=")[1].split()[0])
-            for line in text.splitlines()
-            if f" {event} " in line and "seconds=" in line
+            for line in self.log_lines(event)
+            if "seconds=" in line
         ]
 
-    def kill_a_holder(self, nblocks: int, *extra: str) -> float:
-        """Start a holder of ``nblocks`` blocks over group 0 (``recovery_holder.py``, with
-        ``extra`` arguments), SIGKILL it once it is ready: the seconds until ``status`` says
-        the group is served."""
+    def start_holder(self, nblocks: int, *extra: str) -> subprocess.Popen[str]:
+        """A holder of ``nblocks`` blocks over group 0 (``recovery_holder.py``, with ``extra``
+        arguments), once it is ready (its deposits committed)."""
         holder = subprocess.Popen(
             [
                 sys.executable,
@@ -511,6 +523,12 @@ class GuardService:
         assert holder.stdout is not None
         if holder.stdout.readline().strip() != "ready":
             raise RuntimeError("the holder did not start")
+        return holder
+
+    def kill_a_holder(self, nblocks: int, *extra: str) -> float:
+        """Start a holder of ``nblocks`` blocks over group 0 (:meth:`start_holder`), SIGKILL
+        it once it is ready: the seconds until ``status`` says the group is served."""
+        holder = self.start_holder(nblocks, *extra)
         t0 = time.perf_counter()
         holder.kill()
         while self.state(0) != "serving":
@@ -528,6 +546,9 @@ class GuardService:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def pool_service(pool_bytes: int, groups: int = 1) -> GuardService:
-    """A kvcr-guard with ``groups`` groups of one pool of ``pool_bytes`` (recovery, scale)."""
-    return GuardService(f"{pool_bytes / 2**30!r}", "recovery-bench", groups, prefix="kvcr-rec-")
+def pool_service(pool_bytes: int, groups: int = 1, options: Sequence[str] = ()) -> GuardService:
+    """A kvcr-guard with ``groups`` groups of one pool of ``pool_bytes`` (recovery, scale,
+    fencing); ``options``: further command-line options of the service."""
+    return GuardService(
+        f"{pool_bytes / 2**30!r}", "recovery-bench", groups, prefix="kvcr-rec-", options=options
+    )

@@ -1,5 +1,7 @@
-"""Child of ``recovery.py``: a worker over guard group 0 that deposits N blocks of 4 KiB,
-prints ``ready`` and waits (for its SIGKILL).
+"""Child of ``recovery.py`` (and ``scale.py``, ``fencing.py``): a worker over guard group 0
+that deposits N blocks of 4 KiB, prints ``ready`` and waits (for its SIGKILL, or SIGSTOP).
+Key ``k`` is element ``k % 1000`` of its region, whose bytes are
+``common.randomized(4096 * 1000, seed=4096)``.
 
     python recovery_holder.py SOCKET PORT N DIGEST [BLOCK G3_FILE]
 
@@ -15,7 +17,6 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
 from common import Engine, randomized
 
 from kvcr import KVCR, KVCRBindings
@@ -36,7 +37,7 @@ def main() -> None:
         g3 = G3Options(paths=(Path(sys.argv[6]),), capacity_bytes_per_file=block * elements)
         region = randomized(block * elements, seed=block)
     else:
-        region = np.random.randint(0, 255, BLOCK * ELEMENTS, dtype=np.uint8)
+        region = randomized(BLOCK * ELEMENTS, seed=BLOCK)
     channel = ZmqPeerControlChannel("127.0.0.1", port, "127.0.0.1")
     kv = KVCR(
         KVCRConfig(name, [("", block)], operation_timeout_ms=20_000, abandon_timeout_ms=40_000),
