@@ -211,13 +211,13 @@ LOGGED = ("holder_fenced", "lease_ended", "recovered", "took_over")  # a takeove
 
 
 def logged_at(service: GuardService, event: str) -> float:
-    """The wall-clock seconds of the last ``event`` line of the service (``%(asctime)s``:
-    whole ms); NaN if there is none."""
+    """The wall-clock seconds of the last ``event`` line of the service (its log lines start
+    with an ISO 8601 UTC time with microseconds); NaN if there is none."""
     lines = service.log_lines(event)
     if not lines:
         return float("nan")
-    stamp = datetime.datetime.strptime(" ".join(lines[-1].split()[:2]), "%Y-%m-%d %H:%M:%S,%f")
-    return stamp.timestamp()
+    stamp = datetime.datetime.strptime(lines[-1].split()[0], "%Y-%m-%dT%H:%M:%S.%fZ")
+    return stamp.replace(tzinfo=datetime.timezone.utc).timestamp()
 
 
 def bench(rows: list[Row], nblocks: int, pairs: int, quiet: bool) -> None:
@@ -336,7 +336,7 @@ def measure(args: argparse.Namespace) -> tuple[list[Row], list[str]]:
         "alternating in the same service; (a): the timeout itself",
         f"the driver looks at status and the pidfd every {POLL_S * 1e3:g} ms (+ a status round "
         f"trip; every 10 ms for the first {QUIET_S:g} s of a SIGSTOP): figures from the driver are good to ~1 ms; diag: log rows are the service's "
-        "log timestamps (whole ms)",
+        "log timestamps (UTC, µs)",
         "the peer is hinted and delivers from the moment the driver sees the holder's exit, "
         "in fences and crashes alike: it shares the cores with the takeover",
     ]

@@ -6,7 +6,9 @@ stdlib logger ``kvcr.<module>``, so it lands wherever the engine sends its logs.
 
 ``KVCR_LOG_LEVEL`` sets the level of the ``kvcr`` logger. When it is set and nothing in the
 process has configured logging, kvcr adds one stderr handler so that the operator who asked
-for the logs sees them.
+for the logs sees them. Handlers kvcr installs itself (that one, and ``kvcr-guard``'s) stamp
+each line in UTC with microseconds (:class:`UtcFormatter`), so that the logs of two hosts
+line up; every event of a peer transfer carries its id (``xfer=``) on both sides.
 
 :func:`capture_events` records events as dicts (with ``event`` and ``log_level``), whatever
 the level: tests use it to check what was logged.
@@ -15,6 +17,7 @@ the level: tests use it to check what was logged.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
 import sys
@@ -62,10 +65,20 @@ def apply_env_level() -> None:
         logger.setLevel(parse_level(name))
         if not logger.handlers and not logging.getLogger().handlers:
             handler = logging.StreamHandler(sys.stderr)
-            handler.setFormatter(
-                logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s")
-            )
+            handler.setFormatter(UtcFormatter())
             logger.addHandler(handler)
+
+
+class UtcFormatter(logging.Formatter):
+    """``2026-12-05T18:37:29.642123Z LEVEL logger event key=value ...``: ISO 8601 in UTC
+    with microseconds, whatever the host's time zone."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s %(message)s")
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        stamp = datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc)
+        return stamp.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def _tap(_logger: WrappedLogger, method: str, event: EventDict) -> EventDict:

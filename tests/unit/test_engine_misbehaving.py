@@ -120,7 +120,7 @@ async def test_a_misbehaving_engine_gets_truthful_answers_and_the_source_keeps_s
     assert pooled == {key(0): "SUCCESS"}
     assert any(e["event"] == logged for e in events)
     failed = [e for e in events if e["event"] == "request_pin_failed"]
-    assert all(e["op"].startswith("source write req") for e in failed)
+    assert all(e["op"].startswith("source write ") for e in failed)
     # Every pin the engine granted went back exactly once; nothing stays pinned.
     assert sorted(a.pins.released) == sorted(set(a.pins.released))
     assert not a.pins.pinned
@@ -142,7 +142,7 @@ async def test_a_release_refused_for_good_is_reported_and_the_source_keeps_servi
     assert (pinned, pooled) == ({key(3): "SUCCESS"}, {key(0): "SUCCESS"})
     refused = [e for e in events if e["event"] == "pin_release_refused"]
     assert sorted(e["handle"] for e in refused) == ["pin-1", "pin-2"]
-    assert all(e["op"].startswith("source write req") for e in refused)
+    assert all(e["op"].startswith("source write ") for e in refused)
     [kept] = [e for e in events if e["event"] == "pins_not_released"]
     assert kept["handles"] == ["pin-1", "pin-2"]
 

@@ -7,6 +7,7 @@ import logging
 import pytest
 
 from kvcr import logs
+from kvcr.logs import UtcFormatter
 
 
 @pytest.fixture
@@ -49,3 +50,11 @@ def test_capture_events_sees_events_at_every_level(fresh_env_level):
     with logs.capture_events() as events:
         logs.get_logger("kvcr.test").debug("quiet_event", n=1)
     assert events == [{"event": "quiet_event", "n": 1, "log_level": "debug"}]
+
+
+def test_kvcrs_own_handlers_stamp_lines_in_utc_with_microseconds(monkeypatch) -> None:
+    monkeypatch.setenv("TZ", "America/New_York")  # the host's zone must not leak in
+    record = logging.LogRecord("kvcr.x", logging.INFO, __file__, 1, "ev k=1", None, None)
+    record.created = 1_764_960_000.123456  # 2025-12-05T18:40:00.123456Z
+    line = UtcFormatter().format(record)
+    assert line == "2025-12-05T18:40:00.123456Z INFO kvcr.x ev k=1"

@@ -119,10 +119,13 @@ async def test_a_failed_first_write_is_logged_by_the_source_and_named_by_the_des
         assert statuses(entries) == {key(0): "FAILED", key(1): "FAILED"}
         [failed] = [e for e in events if e["event"] == "source_write_failed"]
         assert failed["to"] == "b" and failed["endpoint"] == b.endpoint
-        assert failed["keys"] == 2 and failed["req"] == world.sent("pull")[0].req
+        pull = world.sent("pull")[0]
+        assert failed["keys"] == 2 and failed["xfer"] == m.xfer_id(pull.incarnation, pull.req)
         assert failed["reason"].startswith("the write failed: ")
         [op_failed] = [e for e in events if e["event"] == "op_failed"]
         assert failed["reason"] in op_failed["reason"]
+        # One transfer id, minted by the destination, in both sides' events.
+        assert op_failed["xfer"] == failed["xfer"]
 
 
 async def test_a_pull_crossing_the_new_processes_probe_answer_is_resent_to_it(

@@ -159,7 +159,9 @@ def test_a_job_record_moves_only_through_its_table() -> None:
     assert job.move(JobEvent.POST) is JobState.WRITING
     assert job.move(JobEvent.LATE) is JobState.STALLED
     assert job.move(JobEvent.END) is JobState.OVER
-    with pytest.raises(IllegalMove, match="source job req 9 to agent-d: can't handle event 'end'"):
+    with pytest.raises(
+        IllegalMove, match=r"source job pull 0000000000000005\.9 to agent-d: can't handle event 'end'"
+    ):
         job.move(JobEvent.END)
 
 

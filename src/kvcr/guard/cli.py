@@ -32,7 +32,7 @@ from kvcr.guard.heartbeat import BEAT_MS, MIN_TIMEOUT_MS
 from kvcr.guard.pools import JOURNAL_BYTES, parse_pool_sizes_gb
 from kvcr.guard.protocol import MAX_DIGEST, GroupStatus
 from kvcr.guard.service import GuardService, ServiceConfig, ServiceStartError
-from kvcr.logs import get_logger, parse_level
+from kvcr.logs import UtcFormatter, get_logger, parse_level
 
 # sun_path holds 108 bytes including the terminating NUL.
 MAX_SOCKET_PATH = 107
@@ -184,7 +184,7 @@ def _setup_logging(level_name: str | None) -> None:
     logger = logging.getLogger("kvcr")
     logger.setLevel(level)
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    handler.setFormatter(UtcFormatter())
     logger.handlers[:] = [handler]
     logger.propagate = False
 

@@ -18,6 +18,7 @@ at ``abandon_timeout_ms``, and ``quiesced`` follows the confirmation. The pull's
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
@@ -215,7 +216,13 @@ class Destination:
             # greeting the endpoint again, is safe (once).
             if not (pull.turned_away and attempt == 1):
                 break
-            self.log.info("pull_resent", op=op.handle, endpoint=endpoint, reason=pull.reason)
+            self.log.info(
+                "pull_resent",
+                op=op.handle,
+                endpoint=endpoint,
+                xfer=self._xfer(pull),
+                reason=pull.reason,
+            )
         if pull.written:
             op.remote.failed = False
         else:
@@ -237,6 +244,11 @@ class Destination:
         pull.due = trio.current_time() + nbytes / EXPECTED_BYTES_PER_S + FAST_WINDOW_S
         link.pulls[pull.req] = pull
         op.xfers[pull] = frozenset(keys)
+        op.remote.xfer = self._xfer(pull)
+        if self._debug():
+            self.log.debug(
+                "pull_sent", op=op.handle, endpoint=endpoint, xfer=op.remote.xfer, keys=len(keys)
+            )
         pull.on_over.append(lambda: self.outbox.xfer_terminal(op, pull))
         self.plane.send(
             endpoint,
@@ -254,6 +266,13 @@ class Destination:
         self.plane.wake()
         return pull
 
+    def _xfer(self, pull: RemotePull) -> str:
+        return m.xfer_id(self.plane.incarnation, pull.req)
+
+    def _debug(self) -> bool:
+        """Whether debug events are on (they cost a render each, per pull, otherwise)."""
+        return bool(self.log.isEnabledFor(logging.DEBUG))
+
     def _abandon(self, pull: RemotePull) -> None:
         """The operation gave up on ``pull`` while the source may still write: probe it
         (cancelling the pull if it has not started writing). Its memory stays held."""
@@ -269,6 +288,7 @@ class Destination:
             "pull_abandoned",
             op=op.handle,
             endpoint=pull.link.endpoint,
+            xfer=self._xfer(pull),
             reason="no confirmation from the source by abandon_timeout_ms; memory stays held",
         )
         self._probe(pull)
@@ -305,6 +325,8 @@ class Destination:
             self.plane.drop("bad_written", f"{sender} req {msg.req}: index out of range")
             pull.reason = "the source named keys it was not asked for"
             indices = []
+        if self._debug():
+            self.log.debug("pull_arrived", xfer=self._xfer(pull), keys=len(indices))
         pull.finish(PullEvent.WRITTEN, indices, pull.reason)
 
     def on_over(self, msg: m.Over) -> None:

@@ -258,6 +258,11 @@ class SourceJob:
         """The pull's keys: raw bytes on the wire, the block keys they name from here on."""
         return cast("list[BlockKey]", self.msg.keys)
 
+    @property
+    def transfer_id(self) -> str:
+        """The id both sides log the pull's events under (``xfer=``)."""
+        return m.xfer_id(self.msg.incarnation, self.msg.req)
+
     def move(self, event: JobEvent) -> JobState:
-        self.state = JOB.move(self.state, event, f"req {self.msg.req} to {self.agent}")
+        self.state = JOB.move(self.state, event, f"pull {self.transfer_id} to {self.agent}")
         return self.state

@@ -69,6 +69,7 @@ class RemotePart:
     no_retain: bool = False  # a fetch drops the blocks from local G2 at their release
     failed: bool = False  # the pull got nothing: the request's hint is reported failed
     moved: int = 0  # keys the peer wrote
+    xfer: str | None = None  # the id of its last pull (``messages.xfer_id``), for the log
 
 
 @attrs.define(eq=False)
@@ -256,4 +257,5 @@ def record(op: Operation, telemetry: Any, memory: Any, log: Any) -> None:
             kind=op.kind.value,
             failed=len(op.keys) - op.ok,
             reason=op.failure,
+            **({"xfer": op.remote.xfer} if op.remote.xfer is not None else {}),
         )

@@ -24,6 +24,7 @@ memory is ``uncertain``
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -184,7 +185,11 @@ class Source:
             reason = "this source has neither pools nor framework regions"
         if reason is not None:
             self.log.info(
-                "pull_refused", endpoint=msg.sender, req=msg.req, keys=len(msg.keys), reason=reason
+                "pull_refused",
+                endpoint=msg.sender,
+                xfer=m.xfer_id(msg.incarnation, msg.req),
+                keys=len(msg.keys),
+                reason=reason,
             )
             self.plane.send(
                 msg.sender,
@@ -198,7 +203,7 @@ class Source:
         try:
             wanted = self._claim_local(job)
         except Exception as exc:  # a bug must not leak claims
-            self.log.exception("source_job_failed", req=msg.req, error=repr(exc))
+            self.log.exception("source_job_failed", xfer=job.transfer_id, error=repr(exc))
             self._end_job(job, "the source failed to prepare the write")
             return
         staging = self.staging
@@ -231,7 +236,7 @@ class Source:
         try:
             await self._gather(job, wanted, from_g3)
         except Exception as exc:  # a bug must not leak claims, bounce slots or pins
-            self.log.exception("source_job_failed", req=job.msg.req, error=repr(exc))
+            self.log.exception("source_job_failed", xfer=job.transfer_id, error=repr(exc))
             if job.state is JobState.PENDING:
                 self._end_job(job, "the source failed to prepare the write")
 
@@ -267,7 +272,7 @@ class Source:
         if not missing:
             return
         pin_started = trio.current_time()
-        what = f"source write req {job.msg.req} to {job.agent}"
+        what = f"source write {job.transfer_id} to {job.agent}"
         pin = await self.pins.pin([keys[i] for i in missing], what)
         self.telemetry.record(
             "framework_pin_wait",
@@ -339,7 +344,7 @@ class Source:
         indices: list[int],
     ) -> None:
         msg = job.msg
-        what = f"source write req {msg.req} to {job.agent}"
+        what = f"source write {job.transfer_id} to {job.agent}"
         notif = self.plane.auth.seal(m.encode(m.Written(self.plane.incarnation, msg.req, indices)))
         nbytes = sum(n for _, n in dst)
 
@@ -351,6 +356,14 @@ class Source:
             moved = (len(dst), nbytes) if xfer.ok else (0, 0)
             self.telemetry.record("source_write", now - job.clock.start, result, *moved)
             if xfer.ok:
+                if self.log.isEnabledFor(logging.DEBUG):
+                    self.log.debug(
+                        "pull_written",
+                        xfer=job.transfer_id,
+                        keys=len(indices),
+                        bytes=nbytes,
+                        seconds=round(now - job.clock.start, 6),
+                    )
                 self.written_blocks += len(indices)
                 if job.staged:
                     self.g3_blocks += sum(1 for i in indices if i in job.staged)
@@ -393,7 +406,12 @@ class Source:
             return
         if self.local is not None and keys:
             dropped = self.local.drop_unclaimed(keys, "moved")
-            self.log.info("move_confirmed", req=msg.req, keys=len(keys), dropped=len(dropped))
+            self.log.info(
+                "move_confirmed",
+                xfer=m.xfer_id(msg.incarnation, msg.req),
+                keys=len(keys),
+                dropped=len(dropped),
+            )
 
     def _write_failed(self, job: SourceJob, keys: int, reason: str) -> None:
         """Say why in the log and to the destination (its op_failed names the reason)."""
@@ -401,7 +419,7 @@ class Source:
             "source_write_failed",
             to=job.agent,
             endpoint=job.msg.sender,
-            req=job.msg.req,
+            xfer=job.transfer_id,
             keys=keys,
             reason=reason,
         )
@@ -418,14 +436,14 @@ class Source:
         if xfer.done.is_set():
             return
         if not self.stalled:
-            self.log.warning("source_stalled", to=job.agent, req=job.msg.req)
+            self.log.warning("source_stalled", to=job.agent, xfer=job.transfer_id)
         job.move(JobEvent.LATE)
         with trio.move_on_at(clock.abandon_at):
             await xfer.done.wait()
         if xfer.done.is_set():
             return
         if self.transfers.cancel(xfer):
-            self.log.warning("source_write_cancelled", to=job.agent, req=job.msg.req)
+            self.log.warning("source_write_cancelled", to=job.agent, xfer=job.transfer_id)
             return
         job.move(JobEvent.ABANDON_DEADLINE)
         handle = self.op_ids()
@@ -438,7 +456,7 @@ class Source:
     def _source_error(self, job: SourceJob, handle: int, state: MemoryState) -> TransferError:
         """Only engine memory is reported: KVCR's own claimed slots are KVCR's to hold."""
         return TransferError(
-            f"source write req {job.msg.req} to {job.agent}: still running past abandon_timeout_ms",
+            f"source write {job.transfer_id} to {job.agent}: still running past abandon_timeout_ms",
             handle,
             state=state.value,
             source_blocks=tuple(job.pinned_keys),

@@ -47,7 +47,7 @@ class Staging:
             self.short += len(indices) - len(descs)
             self.log.info(
                 "bounce_slots_short",
-                req=job.msg.req,
+                xfer=job.transfer_id,
                 g3_keys=len(indices),
                 lent=len(descs),
                 reason="every bounce slot is lent to other pulls; the rest are misses",
@@ -65,7 +65,7 @@ class Staging:
             if job.state is JobState.OVER:  # the job gave up meanwhile: nothing writes them
                 self.release(job)
 
-        what = f"source read req {job.msg.req} for {job.agent}"
+        what = f"source read {job.transfer_id} for {job.agent}"
         return self.g3.read([(keys[i], d) for i, d in pairs], what, then, SCOPE_G3_SERVE)
 
     def release(self, job: SourceJob) -> None:

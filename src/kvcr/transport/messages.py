@@ -214,6 +214,14 @@ class Confirm:
     indices: list[int] = attrs.field(validator=_check_indices)
 
 
+def xfer_id(incarnation: int, req: int) -> str:
+    """A pull's transfer id, as both sides log it (``xfer=``): the destination's incarnation
+    (random per process start) and its request number, both minted by the destination and
+    carried in the pull (and in every message about it), so that a destination's and a
+    source's events of one transfer can be joined across hosts."""
+    return f"{incarnation:016x}.{req}"
+
+
 Message = Hello | HelloAck | Pull | Written | Over | Probe | ProbeAck | Confirm
 TYPES: dict[str, type] = {
     cls.TYPE: cls for cls in (Hello, HelloAck, Pull, Written, Over, Probe, ProbeAck, Confirm)
