@@ -31,6 +31,27 @@ SCOPE_G3_FILL = "g3_fill"
 SCOPE_G3_DELIVER = "g3_deliver"
 SCOPE_G3_SERVE = "g3_serve"  # G3 blocks read into bounce slots for a peer's pull
 
+# The block funnel of a peer pull, counted in kvcr_transfer_blocks by stage (the contract
+# gives that counter the one label ``scope``, so the stage is in it): the destination
+# counts what it planned (the keys it asked for), what the source reported written
+# (completed) and what it answered the engine with (published); the source counts what it
+# found (resident: in G2, in G3, or pinned by its engine), what it held for the write
+# (claimed, staged from G3 or pinned) and what it submitted in the write.
+FUNNEL_PLANNED = "peer_planned"
+FUNNEL_RESIDENT = "peer_resident"
+FUNNEL_HELD = "peer_held"
+FUNNEL_SUBMITTED = "peer_submitted"
+FUNNEL_COMPLETED = "peer_completed"
+FUNNEL_PUBLISHED = "peer_published"
+FUNNEL = (
+    FUNNEL_PLANNED,
+    FUNNEL_RESIDENT,
+    FUNNEL_HELD,
+    FUNNEL_SUBMITTED,
+    FUNNEL_COMPLETED,
+    FUNNEL_PUBLISHED,
+)
+
 RESULT_SUCCESS = "success"
 RESULT_PARTIAL = "partial"
 RESULT_FAILED = "failed"
@@ -62,7 +83,8 @@ class Telemetry:
         self._factory = factory
         self._gauges = gauges
         self._log = log
-        self._samples: deque[tuple[str, float, str, int, int]] = deque()
+        # (scope, seconds or None for a count alone, result, blocks, bytes)
+        self._samples: deque[tuple[str, float | None, str, int, int]] = deque()
         self._stats: TelemetryStats | None = factory() if factory is not None else None
 
     @property
@@ -84,6 +106,11 @@ class Telemetry:
         if self._stats is not None:
             self._samples.append((scope, seconds, result, blocks, nbytes))
 
+    def count(self, scope: str, blocks: int) -> None:
+        """Blocks that reached a stage (``FUNNEL``): a count, no duration."""
+        if self._stats is not None and blocks:
+            self._samples.append((scope, None, "", blocks, 0))
+
     def pending(self) -> bool:
         """Whether samples wait for :meth:`flush` (any thread: one read)."""
         return bool(self._samples)
@@ -96,6 +123,9 @@ class Telemetry:
         try:
             while samples:
                 scope, seconds, result, blocks, nbytes = samples.popleft()
+                if seconds is None:
+                    stats.increase_counter(TRANSFER_BLOCKS_METRIC, blocks, (scope,))
+                    continue
                 stats.observe_histogram(DURATION_METRIC, seconds, (scope, result))
                 if blocks:
                     stats.increase_counter(TRANSFER_BLOCKS_METRIC, blocks, (scope,))

@@ -435,6 +435,8 @@ async def test_malformed_and_unknown_peer_messages_are_dropped_once_per_kind(aut
 
 async def test_telemetry_counts_agree_on_both_sides_of_a_pull(autojump_clock):
     from kvcr import DURATION_METRIC, TRANSFER_BLOCKS_METRIC, TRANSFER_BYTES_METRIC
+    from kvcr.logs import capture_events
+    from kvcr.telemetry import FUNNEL
 
     world = World()
     a = Worker(world, "a", enable_telemetry=True)
@@ -445,11 +447,34 @@ async def test_telemetry_counts_agree_on_both_sides_of_a_pull(autojump_clock):
         await a.deposit([(0, 0), (1, 1)])
         a.pins.engine_has = {key(2): 2}
         b.kv.submit_hint(b.hint(a, [0, 1, 2, 3]), request_id="r")
-        entries = await b.deliver([(0, 10), (1, 11), (2, 12), (3, 13)])
+        with capture_events() as events:
+            entries = await b.deliver([(0, 10), (1, 11), (2, 12), (3, 13)])
         assert sorted(statuses(entries).values()) == ["FAILED", "SUCCESS", "SUCCESS", "SUCCESS"]
         await trio.sleep(0.01)
 
         dst, src = b.kv.get_stats(), a.kv.get_stats()
+
+    # The block funnel, each side its own stages: 4 planned; the source found 2 in G2 and
+    # its engine pinned 1 (resident 3), held and submitted those 3; 3 completed, 3 published.
+    destination_side = ("peer_planned", "peer_completed", "peer_published")
+    source_side = ("peer_resident", "peer_held", "peer_submitted")
+    assert set(destination_side + source_side) == set(FUNNEL)
+    funnel = {
+        scope: side.counters.get((TRANSFER_BLOCKS_METRIC, (scope,)))
+        for side, scopes in ((dst, destination_side), (src, source_side))
+        for scope in scopes
+    }
+    assert funnel == {
+        "peer_planned": 4,
+        "peer_resident": 3,
+        "peer_held": 3,
+        "peer_submitted": 3,
+        "peer_completed": 3,
+        "peer_published": 3,
+    }
+    [partial] = [e for e in events if e["event"] == "pull_partial"]
+    assert (partial["planned"], partial["completed"], partial["published"]) == (4, 3, 3)
+    assert len(src.histograms[(DURATION_METRIC, ("transfer_post", "success"))]) == 1
 
     assert dst.counters[(TRANSFER_BLOCKS_METRIC, ("remote_deliver",))] == 3
     assert dst.counters[(TRANSFER_BYTES_METRIC, ("remote_deliver",))] == 3 * 4096

@@ -160,7 +160,8 @@ def test_a_job_record_moves_only_through_its_table() -> None:
     assert job.move(JobEvent.LATE) is JobState.STALLED
     assert job.move(JobEvent.END) is JobState.OVER
     with pytest.raises(
-        IllegalMove, match=r"source job pull 0000000000000005\.9 to agent-d: can't handle event 'end'"
+        IllegalMove,
+        match=r"source job pull 0000000000000005\.9 to agent-d: can't handle event 'end'",
     ):
         job.move(JobEvent.END)
 

@@ -33,6 +33,7 @@ from kvcr.runtime.ops import DROPPED, FAILED, SUCCESS, Operation, Outbox
 from kvcr.runtime.plane import Plane
 from kvcr.runtime.timer import FAST_WINDOW_S
 from kvcr.store.index import BlockIndex
+from kvcr.telemetry import FUNNEL_COMPLETED, FUNNEL_PLANNED, FUNNEL_PUBLISHED, Telemetry
 from kvcr.transport import messages as m
 from kvcr.transport.base import TransportError
 from kvcr.types import BlockKey, BlockMeta, CacheTier, OpEntryResult, PlacementAction
@@ -53,6 +54,7 @@ class Destination:
         local: LocalG2 | None,
         memory: MemoryMap,
         outbox: Outbox,
+        telemetry: Telemetry,
         log: Any,
     ) -> None:
         self.plane = plane
@@ -61,6 +63,7 @@ class Destination:
         self.local = local
         self.memory = memory
         self.outbox = outbox
+        self.telemetry = telemetry  # the pulls' block funnel (telemetry.FUNNEL)
         self.log = log
         self.unconfirmed = Unconfirmed(log)
         self._reqs = itertools.count(1)
@@ -158,6 +161,20 @@ class Destination:
         op_failed log), and a move pull waits for the engine to take its results."""
         succeeded = sum(1 for a in answers.values() if a.success)
         op.remote.moved += succeeded
+        self.telemetry.count(FUNNEL_PUBLISHED, succeeded)
+        if pull is not None and succeeded < len(pull.keys):
+            # One event per partial pull, with the funnel as this side saw it; the source's
+            # own stages are in its log under the same xfer (pull_written or
+            # source_write_failed: resident, held, keys submitted).
+            self.log.info(
+                "pull_partial",
+                op=op.handle,
+                xfer=self._xfer(pull),
+                planned=len(pull.keys),
+                completed=len(pull.written),
+                published=succeeded,
+                reason=pull.reason or None,
+            )
         if succeeded < len(answers):
             missing = len(answers) - succeeded
             op.failure = op.failure or f"{op.kind}: the source lacked {missing} of the keys"
@@ -197,6 +214,7 @@ class Destination:
         # Anything but keys written (nothing, an error, the deadline while setting up or
         # waiting) is a failed remote operation: it marks the request's hint failed.
         op.remote.failed = True
+        self.telemetry.count(FUNNEL_PLANNED, len(keys))
         for attempt in (1, 2):
             try:
                 pull = await self._send(op, endpoint, keys, dst)
@@ -223,6 +241,7 @@ class Destination:
                 xfer=self._xfer(pull),
                 reason=pull.reason,
             )
+        self.telemetry.count(FUNNEL_COMPLETED, len(pull.written))
         if pull.written:
             op.remote.failed = False
         else:

@@ -252,6 +252,10 @@ class SourceJob:
     bounce: list[int] = attrs.field(factory=list)
     reading: bool = False
     staged: dict[int, int] = attrs.field(factory=dict)
+    # The pull's block funnel at this source (``telemetry.FUNNEL``): keys found in G2 or G3
+    # at its arrival, then held for the write (claimed, staged or pinned).
+    found: int = 0
+    held: int = 0
 
     @property
     def keys(self) -> list[BlockKey]:

@@ -17,9 +17,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvcr.transport.messages import xfer_id
 from kvcr.types import BlockKey, OpResult
+
+if TYPE_CHECKING:
+    from kvcr.runtime.lifecycle import SourceJob
 
 MAX_UNCONFIRMED = 4096  # move pulls awaiting the engine's poll; older ones are never confirmed
 MAX_MOVES = 4096  # move pulls written and awaiting Confirm; older ones keep their copies
@@ -80,11 +84,24 @@ class Copies:
     def __len__(self) -> int:
         return len(self._moves)
 
+    def written(self, job: SourceJob, indices: list[int]) -> None:
+        """A move pull was written: remember which of its keys came from local G2 (engine
+        memory is the engine's to keep or drop) until the destination confirms them."""
+        from_g2 = {block.key for block in job.claims}
+        keys = job.keys
+        ours = {i: keys[i] for i in indices if keys[i] in from_g2}
+        if ours:
+            self.add(job.msg.incarnation, job.msg.req, job.msg.sender, ours)
+
     def add(self, incarnation: int, req: int, endpoint: str, ours: dict[int, BlockKey]) -> None:
         self._moves[(incarnation, req)] = (endpoint, ours)
         if len(self._moves) > MAX_MOVES:
-            (_, old), _ = self._moves.popitem(last=False)
-            self._log.info("move_kept", req=old, reason="no confirmation among the last moves")
+            (incarnation, req), _ = self._moves.popitem(last=False)
+            self._log.info(
+                "move_kept",
+                xfer=xfer_id(incarnation, req),
+                reason="no confirmation among the last moves",
+            )
 
     def confirmed(
         self, incarnation: int, req: int, sender: str, indices: Iterable[int]

@@ -84,6 +84,7 @@ class Peers:
             local=local,
             memory=memory,
             outbox=outbox,
+            telemetry=telemetry,
             log=log,
         )
         return cls(plane, links, source, destination)

@@ -54,7 +54,7 @@ from kvcr.runtime.seen_pulls import SeenPulls
 from kvcr.runtime.staging import Staging
 from kvcr.runtime.transfers import WRITE_SETTLE_S, Transfers, Xfer
 from kvcr.store.index import BlockIndex
-from kvcr.telemetry import Telemetry
+from kvcr.telemetry import FUNNEL_HELD, FUNNEL_RESIDENT, FUNNEL_SUBMITTED, Telemetry
 from kvcr.transport import messages as m
 from kvcr.transport.base import Transport, TransportError
 from kvcr.types import TransferError
@@ -208,6 +208,7 @@ class Source:
             return
         staging = self.staging
         from_g3 = staging.wanted(job, wanted) if staging is not None else []
+        job.found = len(wanted) + len(from_g3)
         if len(wanted) == len(msg.keys) or not (self.memory.regions or from_g3):
             # Everything is in local G2, or there is nowhere else to take the rest from
             # (no G3 block of it, no engine memory to pin): write now, without a task hop.
@@ -291,6 +292,9 @@ class Source:
     def _post(self, job: SourceJob, wanted: dict[int, list[int]]) -> None:
         """Write every wanted key whose destination ranges fit, in one transfer."""
         msg = job.msg
+        job.held = len(wanted)
+        self.telemetry.count(FUNNEL_RESIDENT, job.found + len(job.pinned_keys))
+        self.telemetry.count(FUNNEL_HELD, job.held)
         flat, pools, sizes = msg.ranges(), msg.pools, self.memory.block_sizes
         count = len(msg.keys)
         if len(wanted) == count and list(flat[1::2]) == sizes * count:
@@ -360,6 +364,8 @@ class Source:
                     self.log.debug(
                         "pull_written",
                         xfer=job.transfer_id,
+                        resident=job.found + len(job.pinned_keys),
+                        held=job.held,
                         keys=len(indices),
                         bytes=nbytes,
                         seconds=round(now - job.clock.start, 6),
@@ -368,16 +374,23 @@ class Source:
                 if job.staged:
                     self.g3_blocks += sum(1 for i in indices if i in job.staged)
                 if msg.move:
-                    self._await_confirm(job, indices)
+                    self.moves.written(job, indices)
                 self._end_job(job, None)
             else:
                 self._write_failed(job, len(indices), f"the write failed: {xfer.error}")
 
+        timed = self.telemetry.enabled
+        posting = time.perf_counter() if timed else 0.0
         try:
             handle = self.transport.post_write(src, dst, job.agent, notif, what)
         except TransportError as exc:
+            if timed:
+                self.telemetry.record("transfer_post", time.perf_counter() - posting, "failed")
             self._write_failed(job, len(indices), f"the write could not be posted: {exc}")
             return
+        if timed:
+            self.telemetry.record("transfer_post", time.perf_counter() - posting, "success")
+        self.telemetry.count(FUNNEL_SUBMITTED, len(indices))
         job.move(JobEvent.POST)
         self._settled.set()
         job.write_clock = Deadlines.starting(trio.current_time(), self.config)
@@ -385,16 +398,6 @@ class Source:
         if job.state in WRITING:  # (track ends a transfer that is already over at once)
             self.plane.spawn(self._watch_write, job)
         self.plane.wake()
-
-    def _await_confirm(self, job: SourceJob, indices: list[int]) -> None:
-        """A move pull was written: remember which of its keys came from local G2 (engine
-        memory is the engine's to keep or drop) until the destination confirms them."""
-        from_g2 = {block.key for block in job.claims}
-        keys = job.keys
-        ours = {i: keys[i] for i in indices if keys[i] in from_g2}
-        if not ours:
-            return
-        self.moves.add(job.msg.incarnation, job.msg.req, job.msg.sender, ours)
 
     def on_confirm(self, msg: m.Confirm) -> None:
         """The destination of a move pull has the keys for good: drop our copies (those not
@@ -420,6 +423,8 @@ class Source:
             to=job.agent,
             endpoint=job.msg.sender,
             xfer=job.transfer_id,
+            resident=job.found + len(job.pinned_keys),
+            held=job.held,
             keys=keys,
             reason=reason,
         )
