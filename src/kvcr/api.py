@@ -13,6 +13,7 @@ another engine thread's turn to end.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
@@ -156,7 +157,7 @@ class KVCR:
         leaves the instance and any earlier hint of the request as they were."""
         self._check_open("submit_hint")
         hint = parse_router_hint(hints)
-        self._hints.submit(request_id, hint)
+        self._hints.submit(request_id, hint, time.monotonic())  # for the hint_age timer
         if self._log.isEnabledFor(logging.DEBUG):  # a filtered event still costs ~3 us
             self._log.debug(
                 "hint_submitted",
@@ -236,7 +237,8 @@ class KVCR:
         if not covered:
             return None
         move = hint.mode == "move"  # the hint's contract value, checked by RouterHint
-        return Hinted(hint.source_control_endpoint, request_id, covered, move, hint.no_retain)
+        age = time.monotonic() - (self._hints.submitted_at(request_id) or 0.0)
+        return Hinted(hint.source_control_endpoint, request_id, covered, move, hint.no_retain, age)
 
     def _hint_covers(self, hint: RouterHint, key: BlockKey) -> bool:
         if self._opportunistic:

@@ -11,7 +11,8 @@ from kvcr.hints import DEFAULT_MAX_REQUESTS, RouterHint, describe_value
 class HintBook:
     """The hints of live requests, at most ``max_requests`` of them (oldest evicted first).
 
-    - ``submit`` stores a hint for a request id (any hashable, including ``None``). A second
+    - ``submit`` stores a hint for a request id (any hashable, including ``None``), with the
+      time it came (any clock the caller reads; ``submitted_at`` gives it back). A second
       submission for the same id replaces the hint, clears its failed mark and makes it the
       newest, so ``None`` (a hint for "no particular request") is replaced by each new ``None``
       submission like any other id.
@@ -31,7 +32,8 @@ class HintBook:
                 f"HintBook: max_requests must be a positive int, got {describe_value(max_requests)}"
             )
         self._max_requests = max_requests
-        self._entries: OrderedDict[Hashable, tuple[RouterHint, bool]] = OrderedDict()
+        # request id -> (hint, failed, when submitted)
+        self._entries: OrderedDict[Hashable, tuple[RouterHint, bool, float]] = OrderedDict()
 
     @property
     def max_requests(self) -> int:
@@ -43,8 +45,11 @@ class HintBook:
     def __contains__(self, request_id: Hashable) -> bool:
         return request_id in self._entries
 
-    def submit(self, request_id: Hashable, hint: RouterHint) -> tuple[Hashable, ...]:
-        """Remember ``hint`` for ``request_id``; returns the request ids evicted to make room."""
+    def submit(
+        self, request_id: Hashable, hint: RouterHint, at: float = 0.0
+    ) -> tuple[Hashable, ...]:
+        """Remember ``hint`` for ``request_id``, submitted ``at``; returns the request ids
+        evicted to make room."""
         if not isinstance(hint, RouterHint):
             raise TypeError(f"HintBook.submit: expected a RouterHint, got {describe_value(hint)}")
         entries = self._entries
@@ -52,7 +57,7 @@ class HintBook:
         evicted = []
         while len(entries) >= self._max_requests:
             evicted.append(entries.popitem(last=False)[0])
-        entries[request_id] = (hint, False)
+        entries[request_id] = (hint, False, at)
         return tuple(evicted)
 
     def discard(self, request_id: Hashable) -> bool:
@@ -70,8 +75,13 @@ class HintBook:
         entry = self._entries.get(request_id)
         if entry is None:
             return False
-        self._entries[request_id] = (entry[0], True)
+        self._entries[request_id] = (entry[0], True, entry[2])
         return True
+
+    def submitted_at(self, request_id: Hashable) -> float | None:
+        """When the request's hint was submitted (the ``at`` it came with), or None."""
+        entry = self._entries.get(request_id)
+        return None if entry is None else entry[2]
 
     def failed(self, request_id: Hashable) -> bool:
         entry = self._entries.get(request_id)

@@ -475,6 +475,15 @@ async def test_telemetry_counts_agree_on_both_sides_of_a_pull(autojump_clock):
     [partial] = [e for e in events if e["event"] == "pull_partial"]
     assert (partial["planned"], partial["completed"], partial["published"]) == (4, 3, 3)
     assert len(src.histograms[(DURATION_METRIC, ("transfer_post", "success"))]) == 1
+    # The phases: the hint's age when the deliver used it (its remote part was partial),
+    # and each control message's handling, by type, on the side that handled it.
+    assert len(dst.histograms[(DURATION_METRIC, ("hint_age", "partial"))]) == 1
+    assert len(src.histograms[(DURATION_METRIC, ("control_pull", "success"))]) == 1
+    assert len(src.histograms[(DURATION_METRIC, ("control_hello", "success"))]) >= 1
+    assert len(dst.histograms[(DURATION_METRIC, ("control_hello_ack", "success"))]) >= 1
+    assert len(dst.histograms[(DURATION_METRIC, ("control_written", "success"))]) == 1
+    phases = [v for h in (src.histograms, dst.histograms) for vs in h.values() for v in vs]
+    assert all(v >= 0 for v in phases)
 
     assert dst.counters[(TRANSFER_BLOCKS_METRIC, ("remote_deliver",))] == 3
     assert dst.counters[(TRANSFER_BYTES_METRIC, ("remote_deliver",))] == 3 * 4096

@@ -28,6 +28,7 @@ class Hinted:
     keys: frozenset[BlockKey]
     move: bool = False
     no_retain: bool = False
+    hint_age: float = 0.0  # seconds from the hint's submission to the call that uses it
 
 
 @attrs.define

@@ -153,6 +153,7 @@ class Operations:
             op.remote = RemotePart(
                 frozenset(remote_keys), remote.request, remote.move, remote.no_retain
             )
+            op.remote.hint_age = remote.hint_age
         deliver = op.kind is OpKind.DELIVER
         local, destination = self.tiers.local, self.tiers.destination
         parts = []

@@ -70,6 +70,7 @@ class RemotePart:
     failed: bool = False  # the pull got nothing: the request's hint is reported failed
     moved: int = 0  # keys the peer wrote
     xfer: str | None = None  # the id of its last pull (``messages.xfer_id``), for the log
+    hint_age: float = 0.0  # seconds from the hint's submission to this operation
 
 
 @attrs.define(eq=False)
@@ -250,6 +251,7 @@ def record(op: Operation, telemetry: Any, memory: Any, log: Any) -> None:
         telemetry.operation(
             REMOTE_SCOPES[op.kind], seconds, ok, len(remote_keys), moved * pools, moved * per_key
         )
+        telemetry.operation("hint_age", op.remote.hint_age, ok, len(remote_keys), 0, 0)
     if op.failure and op.ok < len(op.keys):
         log.info(
             "op_failed",

@@ -53,7 +53,7 @@ class Peers:
         if callable(initialize):
             initialize()  # idempotent on ZmqPeerControlChannel
         config, memory, log = context.config, context.memory, context.log
-        plane = Plane(context.control, transport, context.cluster_key, log)
+        plane = Plane(context.control, transport, context.cluster_key, log, telemetry)
         links = Links(
             plane=plane,
             config=config,

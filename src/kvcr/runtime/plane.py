@@ -10,6 +10,7 @@ message type and what the progress loop asks of the sides (:class:`Sides`).
 from __future__ import annotations
 
 import os
+import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +19,7 @@ import attrs
 import trio
 
 from kvcr.runtime.timer import poll_interval, sleeper
+from kvcr.telemetry import Telemetry
 from kvcr.transport import messages as m
 from kvcr.transport.auth import UNAUTHENTICATED, PeerAuth, Rejected
 from kvcr.transport.base import Transport
@@ -39,9 +41,16 @@ class Sides:
 
 class Plane:
     def __init__(
-        self, channel: Any, transport: Transport, cluster_key: bytes | None, log: Any
+        self,
+        channel: Any,
+        transport: Transport,
+        cluster_key: bytes | None,
+        log: Any,
+        telemetry: Telemetry | None = None,
     ) -> None:
+        """``telemetry``: times each control message's handling (``control_<type>``)."""
         self.channel = channel
+        self.telemetry = telemetry
         self.endpoint: str | None = getattr(channel, "endpoint", None)
         self.transport = transport
         self.fine = bool(getattr(transport, "fine_timing", False))
@@ -122,8 +131,12 @@ class Plane:
             except Exception as exc:
                 self.log.error("control_recv_failed", error=repr(exc))
                 batch = []
+            # A batch's messages waited in its queue together: each one's time runs from the
+            # batch's arrival here to the end of its handling, queueing behind the others
+            # included (per type: a bounded label).
+            arrived = time.perf_counter() if self._timed() else 0.0
             for raw in batch:
-                self._on_raw(raw, sides)
+                self._on_raw(raw, sides, arrived)
             if batch:
                 continue  # ZMQ's fd is edge-triggered: drain before waiting again
             if fd is not None:
@@ -131,7 +144,10 @@ class Plane:
             else:
                 await trio.sleep(RECEIVE_POLL_S)
 
-    def _on_raw(self, raw: bytes, sides: Sides) -> None:
+    def _timed(self) -> bool:
+        return self.telemetry is not None and self.telemetry.enabled
+
+    def _on_raw(self, raw: bytes, sides: Sides, arrived: float = 0.0) -> None:
         message = self.open(raw, "bad_message")
         if message is None:
             return
@@ -139,10 +155,15 @@ class Plane:
         if handler is None:
             self.drop("unexpected_message", message.TYPE)
             return
+        result = "success"
         try:
             handler(message)
         except Exception as exc:  # a bug in one handler must not take the instance down
+            result = "failed"
             self.log.exception("peer_handler_failed", type=message.TYPE, error=repr(exc))
+        if arrived and self.telemetry is not None:
+            seconds = time.perf_counter() - arrived
+            self.telemetry.record(f"control_{message.TYPE}", seconds, result)
 
     async def _progress_loop(self, sides: Sides) -> None:
         """NIXL runs without its progress thread: call into it often while transfers or
@@ -175,11 +196,15 @@ class Plane:
         except Exception as exc:
             self.log.error("nixl_notifications_failed", error=repr(exc))
             return
+        arrived = time.perf_counter() if notes and self._timed() else 0.0
         for sender, raw in notes:
             message = self.open(raw, "bad_notification")
             if message is None:
                 continue
             if isinstance(message, m.Written):
                 sides.on_written(sender, message)
+                if arrived and self.telemetry is not None:
+                    seconds = time.perf_counter() - arrived
+                    self.telemetry.record("control_written", seconds, "success")
             else:
                 self.drop("unexpected_notification", message.TYPE)
