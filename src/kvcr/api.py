@@ -103,6 +103,7 @@ class KVCR:
         self._outbox = shared.outbox
         self._commands = shared.commands
         self._hints = HintBook()
+        self._timed = shared.telemetry.enabled  # phase timers (hint_age) cost nothing when off
         self._key_adapter = instance.bindings.key_adapter
         remote = instance.backend_configs.remote_fw_dram
         self._opportunistic = remote.opportunistic_query
@@ -157,7 +158,7 @@ class KVCR:
         leaves the instance and any earlier hint of the request as they were."""
         self._check_open("submit_hint")
         hint = parse_router_hint(hints)
-        self._hints.submit(request_id, hint, time.monotonic())  # for the hint_age timer
+        self._hints.submit(request_id, hint, time.monotonic() if self._timed else 0.0)
         if self._log.isEnabledFor(logging.DEBUG):  # a filtered event still costs ~3 us
             self._log.debug(
                 "hint_submitted",
@@ -237,7 +238,9 @@ class KVCR:
         if not covered:
             return None
         move = hint.mode == "move"  # the hint's contract value, checked by RouterHint
-        age = time.monotonic() - (self._hints.submitted_at(request_id) or 0.0)
+        age = 0.0
+        if self._timed:  # the hint_age timer: submission -> this call
+            age = time.monotonic() - (self._hints.submitted_at(request_id) or 0.0)
         return Hinted(hint.source_control_endpoint, request_id, covered, move, hint.no_retain, age)
 
     def _hint_covers(self, hint: RouterHint, key: BlockKey) -> bool:

@@ -870,3 +870,15 @@ def test_every_valid_hash_list_round_trips_in_order(hashes):
 
     assert parsed.ordered_hashes == tuple(hashes)
     assert all(parsed.covers(h.to_bytes(8, "big")) for h in hashes)
+
+
+def test_a_book_keeps_when_each_hint_came_through_failure_and_resubmission():
+    book = HintBook()
+    book.submit("r1", hint((1,)), at=10.5)
+    assert book.submitted_at("r1") == 10.5 and book.submitted_at("r2") is None
+    book.mark_failed("r1")
+    assert book.submitted_at("r1") == 10.5  # failed, still the same hint
+    book.submit("r1", hint((2,)), at=11.0)
+    assert book.submitted_at("r1") == 11.0 and not book.failed("r1")
+    book.discard("r1")
+    assert book.submitted_at("r1") is None

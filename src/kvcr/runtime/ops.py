@@ -251,7 +251,8 @@ def record(op: Operation, telemetry: Any, memory: Any, log: Any) -> None:
         telemetry.operation(
             REMOTE_SCOPES[op.kind], seconds, ok, len(remote_keys), moved * pools, moved * per_key
         )
-        telemetry.operation("hint_age", op.remote.hint_age, ok, len(remote_keys), 0, 0)
+        if op.remote.hint_age:  # measured only with telemetry on
+            telemetry.operation("hint_age", op.remote.hint_age, ok, len(remote_keys), 0, 0)
     if op.failure and op.ok < len(op.keys):
         log.info(
             "op_failed",
