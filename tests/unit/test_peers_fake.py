@@ -621,3 +621,42 @@ async def test_query_answers_fetchable_by_what_the_adapter_decodes_and_logs_what
             assert b.kv.query(batch, request_id="r") == [REMOTE, REMOTE, MISS, MISS, MISS]
         unusable = [e for e in events if e["event"] == "key_adapter_decode_unusable"]
         assert len(unusable) == 2  # the out-of-range hash and the refusal, each named
+
+
+async def test_a_failed_write_shows_in_every_phase_timer_and_the_funnel(autojump_clock):
+    """The failure path of the same signals: the write fails at the source (the fake
+    transport's scripted fault), so both sides' timers say ``failed`` and the funnel stops
+    between submitted and completed."""
+    from kvcr import DURATION_METRIC, TRANSFER_BLOCKS_METRIC
+    from kvcr.transport.fake import Behavior
+
+    world = World()
+    a = Worker(world, "a", enable_telemetry=True)
+    b = Worker(world, "b", enable_telemetry=True)
+    async with a.running(), b.running():
+        await share(a, b, [0, 1])
+        a.transport.script.append(Behavior(delay=0.01, fail=True))
+        with capture_events() as events:
+            entries = await b.deliver([(0, 10), (1, 11)], request_id="r")
+        assert statuses(entries) == {key(0): "FAILED", key(1): "FAILED"}
+        await trio.sleep(0.01)
+        dst, src = b.kv.get_stats(), a.kv.get_stats()
+
+    def blocks(side, scope):
+        return side.counters.get((TRANSFER_BLOCKS_METRIC, (scope,)), 0)
+
+    assert [blocks(dst, "peer_planned"), blocks(src, "peer_resident")] == [2, 2]
+    assert [blocks(src, "peer_held"), blocks(src, "peer_submitted")] == [2, 2]
+    assert [blocks(dst, "peer_completed"), blocks(dst, "peer_published")] == [0, 0]
+    for side, scope in (
+        (src, "transfer"),
+        (src, "source_write"),
+        (dst, "remote_deliver"),
+        (dst, "hint_age"),
+    ):
+        assert len(side.histograms[(DURATION_METRIC, (scope, "failed"))]) == 1, scope
+    [partial] = [e for e in events if e["event"] == "pull_partial"]
+    [failed] = [e for e in events if e["event"] == "source_write_failed"]
+    assert (partial["planned"], partial["completed"], partial["published"]) == (2, 0, 0)
+    assert (failed["resident"], failed["held"], failed["keys"]) == (2, 2, 2)
+    assert partial["xfer"] == failed["xfer"]  # one id on both sides
