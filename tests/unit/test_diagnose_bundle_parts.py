@@ -198,7 +198,12 @@ TRANSFER = {
 
 @pytest.mark.parametrize(
     "doc",
-    [TIER, TRANSFER, {"kv-transfer-config": TRANSFER}, {"kv_transfer_config": json.dumps(TRANSFER)}],
+    [
+        TIER,
+        TRANSFER,
+        {"kv-transfer-config": TRANSFER},
+        {"kv_transfer_config": json.dumps(TRANSFER)},
+    ],
 )
 def test_the_kvcr_tier_is_found_in_each_shape(doc: object) -> None:
     assert tierconfig.kvcr_tier(doc, "here") == TIER
