@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tarfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ pytestmark = pytest.mark.integration
 
 SCRIPT = Path(sys.executable).parent / "kvcr"
 KEY = "planted-Cluster-Key-9f8e7d6c5b4a"
+ENGINE_KEY = "the-Engine-s-own-Key-0a1b2c3d4e5f"
 MEMBERS = [
     "MANIFEST.json",
     "diagnose.json",
@@ -220,6 +222,53 @@ def test_a_key_file_is_scrubbed_and_json_goes_to_stdout(tmp_path: Path) -> None:
     assert statuses["guard_status.json"] == statuses["engine_process.json"] == "skipped"
     assert statuses["selftest.json"] == "ok"  # skipped by flag: recorded as the check says
     assert json.loads(files["selftest.json"])["status"] == "skipped"
+
+
+@pytest.fixture
+def engine(tmp_path: Path, listener: int) -> Iterator[subprocess.Popen[bytes]]:
+    """A real process started as vLLM would be, with its own key (in a key file named
+    relative to its working directory) that the diagnose process itself does not have."""
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "engine" / "cluster.key").write_text(ENGINE_KEY + "\n")
+    tier = {"type": "kvcr", "control_ports": [listener], "control_advertise_host": "127.0.0.1"}
+    transfer = {"kv_connector_extra_config": {"secondary_tiers": [{**tier, "x": ENGINE_KEY}]}}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)", "serve", "m",
+         f"--kv-transfer-config={json.dumps(transfer)}"],
+        cwd=tmp_path / "engine",
+        env={"PATH": "/usr/bin", "KVCR_CLUSTER_KEY_FILE": "cluster.key"},
+    )  # fmt: skip
+    deadline = time.monotonic() + 10
+    while b"--kv-transfer-config" not in Path(f"/proc/{proc.pid}/cmdline").read_bytes():
+        assert time.monotonic() < deadline, "the engine stand-in did not start"
+        time.sleep(0.01)
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_a_running_engines_config_environment_and_key(
+    tmp_path: Path, engine: subprocess.Popen[bytes], listener: int
+) -> None:
+    target = tmp_path / "engine.tar.gz"
+    proc = kvcr("--bundle", str(target), "--skip-self-test", "--engine-pid", str(engine.pid))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    files = read_archive(target)
+    stream = gzip.decompress(target.read_bytes())
+    assert [f for f in forms(ENGINE_KEY) if f in stream] == []
+    process = json.loads(files["engine_process.json"])
+    assert process["pid"] == engine.pid and process["cwd"] == str(tmp_path / "engine")
+    assert process["cluster_key"] == {
+        "configured": True,
+        "source": "KVCR_CLUSTER_KEY_FILE",
+        "readable": True,
+    }
+    assert process["environment"]["KVCR_CLUSTER_KEY_FILE"].endswith("not shown>")
+    config = json.loads(files["tier_config.json"])
+    assert config["source"].startswith(f"--engine-pid {engine.pid} (--kv-transfer-config")
+    assert config["tier"]["x"] == "<redacted>"
+    (rank,) = json.loads(files["endpoints.json"])["ranks"]
+    assert rank["port"] == listener and rank["bind"]["answers"] and rank["advertised"]["answers"]
 
 
 @pytest.mark.parametrize(

@@ -185,6 +185,15 @@ def test_secret_assignments_in_free_text_are_masked() -> None:
     assert redact.mask_assignments(line) == (
         'x KVCR_CLUSTER_KEY=<redacted> api_key: "<redacted>" token=12 blocks=7'
     )
+    assert redact.mask_assignments("Authorization: Bearer abcdefgh") == (
+        "Authorization: Bearer <redacted>"
+    )
+    assert redact.mask_assignments("etcd at http://u:pw@etcd:2379 down") == (
+        "etcd at http://<redacted>@etcd:2379 down"
+    )
+    # Log fields that only look alike stay: a ticket needs them.
+    fields = "deposit keys=1024 key=b'0123abcd' forbid_extra_keys=True"
+    assert redact.mask_assignments(fields) == fields
 
 
 # -- the tier config ---------------------------------------------------------------------------
@@ -218,6 +227,19 @@ def test_a_config_without_a_kvcr_tier_names_its_source(tmp_path: Path) -> None:
         tierconfig.from_flag("{not json")
     with pytest.raises(tierconfig.BadSource, match="--tier-config: cannot read /no/such"):
         tierconfig.from_flag("/no/such/file.json")
+
+
+def test_yaml_without_pyyaml_says_what_is_missing(tmp_path: Path) -> None:
+    try:
+        import yaml  # type: ignore[import-untyped]  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("PyYAML is installed here: the YAML path is taken instead")
+    path = tmp_path / "vllm.yaml"
+    path.write_text("kv-transfer-config:\n  kv_connector: OffloadingConnector\n")
+    with pytest.raises(tierconfig.BadSource, match=f"--engine-config {path}: not JSON .*PyYAML"):
+        tierconfig.from_engine_config(str(path))
 
 
 def test_a_tier_config_file_is_read(tmp_path: Path) -> None:

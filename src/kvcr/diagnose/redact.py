@@ -26,9 +26,12 @@ MIN_SCRUBBED = 8
 MIN_KEY_SCRUBBED = 4
 # user:password@ in a URL (a proxy, a registry, an etcd endpoint).
 _URL_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s:]+:[^/@\s]+@")
-# NAME=value, NAME: value, "name": "value" in free text (log lines), NAME looking secret.
+# NAME=value, NAME: value, "name": "value" in free text (log lines), where NAME ends in a
+# credential's word. Narrower than SECRET_NAME: log fields such as ``keys=1024`` or a block's
+# ``key=b'...'`` are not secrets, and a ticket needs them.
 _ASSIGNMENT = re.compile(
-    r"(?P<name>[\w.-]*(?:" + SECRET_NAME.pattern + r")[\w.-]*)(?P<sep>\"?\s*[=:]\s*\"?)"
+    r"(?P<name>\b[\w.-]*(?:KEY|SECRET|TOKEN|PASSWORD|PASSWD|PASSPHRASE|CREDENTIALS?|COOKIE"
+    r"|AUTH|AUTHORIZATION))(?P<sep>\"?\s*[=:]\s*\"?(?:Bearer\s+|Basic\s+)?)"
     r"(?P<value>[^\s\"',}]{4,})",
     re.IGNORECASE,
 )
@@ -135,6 +138,13 @@ class Scrubber:
 
 
 def mask_assignments(text: str) -> str:
-    """Free text (log lines) with the value of every secret-looking ``NAME=value`` masked:
-    a secret this process cannot know (another process's key) may still be written so."""
-    return _ASSIGNMENT.sub(lambda m: f"{m['name']}{m['sep']}{REDACTED}", text)
+    """Free text (log lines) with the value of every secret-looking ``NAME=value`` and the
+    password of every URL masked: a secret this process cannot know (another process's key)
+    may still be written so."""
+
+    def mask(match: re.Match[str]) -> str:
+        if match["name"].lower() == "key":  # a block's key, not a credential
+            return match[0]
+        return f"{match['name']}{match['sep']}{REDACTED}"
+
+    return _URL_CREDENTIALS.sub(rf"\g<scheme>{REDACTED}@", _ASSIGNMENT.sub(mask, text))
