@@ -22,10 +22,13 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     diagnose_parser = commands.add_parser(
         "diagnose",
-        help="check this machine for kvcr and print a diagnostic record (--json for tickets)",
+        help="check this machine for kvcr and print a diagnostic record (--json for tickets, "
+        "--bundle FILE for one archive)",
         description="Versions and import paths, NIXL backends, UCX transports and devices, "
         "a NIXL self-test, and optionally the control port and the guard service. Exit "
-        "codes: 0 all checks ok (warnings allowed), 1 a check failed, 2 bad flags.",
+        "codes: 0 all checks ok (warnings allowed), 1 a check failed, 2 bad flags. With "
+        "--bundle FILE: all of it, the tier config, its endpoints and a log's last minutes "
+        "in one archive, secrets masked (0 written, 1 it cannot be, 2 bad flags).",
     )
     diagnose.add_arguments(diagnose_parser)
     diagnose_parser.set_defaults(run=diagnose.run)

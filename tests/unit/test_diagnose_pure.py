@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvcr.diagnose import environment, netif
-from kvcr.diagnose.control import _endpoint
+from kvcr.diagnose.control import endpoint_url
 from kvcr.diagnose.render import FORMAT, RunInfo, document, to_json, to_text
 from kvcr.diagnose.result import CheckResult, Report, Status
 from kvcr.diagnose.versions import expected_package_dirs
@@ -198,9 +198,9 @@ def test_this_machine_has_a_loopback_interface_with_its_address() -> None:
 
 
 def test_ipv6_endpoints_are_bracketed() -> None:
-    assert _endpoint("::1", 5) == "tcp://[::1]:5"
-    assert _endpoint("127.0.0.1", 5) == "tcp://127.0.0.1:5"
-    assert _endpoint("host.example", 5) == "tcp://host.example:5"
+    assert endpoint_url("::1", 5) == "tcp://[::1]:5"
+    assert endpoint_url("127.0.0.1", 5) == "tcp://127.0.0.1:5"
+    assert endpoint_url("host.example", 5) == "tcp://host.example:5"
 
 
 def _dist(

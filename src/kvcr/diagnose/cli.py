@@ -1,7 +1,8 @@
-"""``kvcr diagnose``: the flags, the checks in order, and the report on stdout.
+"""``kvcr diagnose``: the flags, the checks in order, and the report on stdout (or, with
+``--bundle``, in an archive: :mod:`kvcr.diagnose.bundle`).
 
 Exit codes: 0 every check ok (warnings and skipped checks allowed), 1 a check failed,
-2 bad flags (argparse).
+2 bad flags (argparse). With ``--bundle``: 0 the archive is written, 1 it cannot be.
 """
 
 from __future__ import annotations
@@ -18,18 +19,21 @@ from collections.abc import Callable, Iterator
 
 from kvcr.diagnose import (
     backends,
+    bundle,
     control,
     environment,
     guard,
     network,
     render,
     selftest,
+    tierconfig,
     versions,
 )
-from kvcr.diagnose.result import CheckResult, Report
+from kvcr.diagnose.result import EXIT_BAD_FLAGS, EXIT_FAILED, CheckResult, Report
 
 DEFAULT_SELF_TEST_MIB = 64
 MAX_SELF_TEST_MIB = 1024
+MAX_LOG_MINUTES = 7 * 24 * 60
 
 CRASH_FIX = "this is a bug in kvcr diagnose: report it with the --json output"
 
@@ -45,6 +49,16 @@ def _int_in(low: int, high: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def _minutes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of minutes, got {text!r}") from None
+    if not 0 < value <= MAX_LOG_MINUTES:
+        raise argparse.ArgumentTypeError(f"must be in (0, {MAX_LOG_MINUTES}], got {text}")
+    return value
 
 
 def _non_empty(text: str) -> str:
@@ -91,6 +105,58 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--skip-self-test", action="store_true", help="skip the NIXL transfer self-test"
+    )
+    _add_bundle_arguments(parser)
+
+
+def _add_bundle_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "bundle", "one archive for a ticket (docs/operations.md, `kvcr diagnose --bundle`)"
+    )
+    group.add_argument(
+        "--bundle",
+        type=_non_empty,
+        default=None,
+        metavar="FILE",
+        help="write every check, versions, import paths, the environment (secrets masked), "
+        "the tier config and its endpoints, the guard's status and the last minutes of "
+        "--log-path into this .tar.gz (a directory: a file named after host and time)",
+    )
+    sources = group.add_mutually_exclusive_group()
+    sources.add_argument(
+        "--tier-config",
+        type=_non_empty,
+        default=None,
+        metavar="JSON|FILE",
+        help="the kvcr tier config (or the whole --kv-transfer-config), as JSON or a file",
+    )
+    sources.add_argument(
+        "--engine-config",
+        type=_non_empty,
+        default=None,
+        metavar="FILE",
+        help="the engine's config file (vLLM's --config YAML or JSON) holding kv-transfer-config",
+    )
+    sources.add_argument(
+        "--engine-pid",
+        type=_int_in(1, 2**22),
+        default=None,
+        metavar="PID",
+        help="a running engine: its --kv-transfer-config or --config, and its environment (masked)",
+    )
+    group.add_argument(
+        "--log-path",
+        type=_non_empty,
+        default=None,
+        metavar="FILE",
+        help="kvcr's log file (the engine's log, or the guard's): its last --log-minutes",
+    )
+    group.add_argument(
+        "--log-minutes",
+        type=_minutes,
+        default=bundle.DEFAULT_LOG_MINUTES,
+        metavar="N",
+        help=f"minutes of --log-path up to its last line (default {bundle.DEFAULT_LOG_MINUTES})",
     )
 
 
@@ -152,19 +218,51 @@ def _kvcr_version() -> str:
         return "?"
 
 
+def _bundle_plan(
+    args: argparse.Namespace, hostname: str, now: datetime.datetime
+) -> bundle.Plan | int | None:
+    """The bundle's plan, None without --bundle, or the exit code of a run that ends here."""
+    if args.bundle is None:
+        given = [f"--{n.replace('_', '-')}" for n in bundle.BUNDLE_ONLY if getattr(args, n)]
+        if given:
+            print(f"kvcr diagnose: {', '.join(given)} needs --bundle FILE", file=sys.stderr)
+            return EXIT_BAD_FLAGS
+        return None
+    try:
+        return bundle.prepare(args, hostname, now)
+    except tierconfig.BadSource as exc:
+        print(f"kvcr diagnose: {exc}", file=sys.stderr)
+        return EXIT_BAD_FLAGS
+    except bundle.CannotWrite as exc:
+        print(f"kvcr diagnose: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+
+
 def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
-    created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    # Before anything imports NIXL: it and UCX read these once, when they start.
-    applied = environment.apply_defaults()
-    with _stdout_to_stderr():
-        report = Report(checks(args, applied))
+    now = datetime.datetime.now(datetime.timezone.utc)
+    created = now.isoformat(timespec="seconds")
+    hostname = socket.gethostname()
+    plan = _bundle_plan(args, hostname, now)
+    if isinstance(plan, int):
+        return plan
+    try:
+        # Before anything imports NIXL: it and UCX read these once, when they start.
+        applied = environment.apply_defaults()
+        with _stdout_to_stderr():
+            report = Report(checks(args, applied))
+    except BaseException:
+        if plan is not None:
+            bundle.discard(plan)
+        raise
     info = render.RunInfo(
         kvcr_version=_kvcr_version(),
-        hostname=socket.gethostname(),
+        hostname=hostname,
         created_utc=created,
         duration_s=time.monotonic() - started,
         argv=tuple(args.argv),
     )
+    if plan is not None:
+        return bundle.write(plan, report, info, applied, as_json=args.json)
     print(render.to_json(report, info) if args.json else render.to_text(report, info))
     return report.exit_code

@@ -19,7 +19,7 @@ ROUND_TRIP_TIMEOUT_MS = 2000
 _PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
-def _endpoint(host: str, port: int) -> str:
+def endpoint_url(host: str, port: int) -> str:
     try:
         literal = ipaddress.ip_address(host)
     except ValueError:
@@ -104,7 +104,7 @@ def check(port: int | None, host: str | None) -> CheckResult:
             "pass an address of this machine (or a name that resolves to one) as --host",
             {"port": port, "host": host},
         )
-    endpoint = _endpoint(bind_host, port)
+    endpoint = endpoint_url(bind_host, port)
     details: dict[str, object] = {"port": port, "host": bind_host, "endpoint": endpoint}
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import fnmatch
 import os
-import re
 
+from kvcr.diagnose.redact import shown_value
 from kvcr.diagnose.result import CheckResult
 
 NAME = "environment"
@@ -18,8 +18,6 @@ NAME = "environment"
 DEFAULTS = {"UCX_NET_DEVICES": "lo", "UCX_MEM_EVENTS": "no", "NIXL_LOG_LEVEL": "WARN"}
 
 _REPORTED_PREFIXES = ("UCX_", "NIXL_", "KVCR_")
-# Values that must not end up in a ticket: the peer cluster key, and anything named like one.
-_SECRET = re.compile(r"KEY|SECRET|TOKEN|PASSW", re.IGNORECASE)
 _CHATTY_NIXL_LEVELS = {"TRACE", "DEBUG", "INFO"}
 
 
@@ -45,13 +43,8 @@ def net_devices_include(value: str | None, device: str) -> bool:
     return listed != exclude
 
 
-def shown_value(name: str, value: str) -> str:
-    if _SECRET.search(name):
-        return f"<set, {len(value)} characters, not shown>"
-    return value
-
-
 def reported() -> dict[str, str]:
+    # Values that must not end up in a ticket (the peer cluster key) are masked.
     return {
         name: shown_value(name, value)
         for name, value in sorted(os.environ.items())
