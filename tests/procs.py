@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -43,10 +44,38 @@ def native_threads(prefix: str) -> list[str]:
     return sorted(name for name in names if name.startswith(prefix))
 
 
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+    return low, high
+
+
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A port nobody listens on now, for a control endpoint a process binds *later*.
+
+    Never one from the kernel's ephemeral range: a port picked there (by binding port 0)
+    may be handed to any socket that binds port 0 before ours binds it (UCX's listeners,
+    an engine's ZMQ sockets), which once failed vLLM's start with "Address already in use".
+    Below that range the kernel hands out nothing; each port is given out once per process.
+    """
+    low, _ = _ephemeral_range()
+    first = max(1024, low - 12000)
+    while True:
+        port = random.randrange(first, low)
+        if port in _handed_out:
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # a service of the host's, or another test's
+        _handed_out.add(port)
+        return port
 
 
 def wait_until(condition: Callable[[], Any], timeout: float = 20, what: str = "condition") -> Any:

@@ -25,17 +25,12 @@ from kvcr.control_channels import (
     ZmqPeerControlChannel,
 )
 from kvcr.logs import capture_events
+from procs import free_port
 
 pytestmark = pytest.mark.integration
 
 HOST = "127.0.0.1"
 DEADLINE_S = 5.0
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind((HOST, 0))
-        return probe.getsockname()[1]
 
 
 def listening_socket() -> socket.socket:

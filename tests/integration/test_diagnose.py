@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from procs import GuardProcess
+from procs import GuardProcess, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -107,9 +107,7 @@ def test_module_entry_prints_the_table() -> None:
 
 
 def test_a_free_control_port_passes_a_message() -> None:
-    with socket.socket() as probe:  # a port the kernel just found free
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     proc = diagnose("diagnose", "--json", "--skip-self-test", "--control-port", str(port))
     doc = report(proc)
     assert proc.returncode == 0, failing(doc)

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from procs import GuardProcess
+from procs import GuardProcess, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -84,9 +84,7 @@ def listener() -> Iterator[int]:
 def test_the_bundle_holds_the_whole_record_and_no_key(tmp_path: Path, listener: int) -> None:
     guard = GuardProcess(tmp_path, env={"KVCR_CLUSTER_KEY": KEY})
     try:
-        with socket.socket() as spare:  # a port nothing listens on
-            spare.bind(("127.0.0.1", 0))
-            silent = spare.getsockname()[1]
+        silent = free_port()  # a port nothing listens on
         tier = {
             "type": "kvcr",
             "router_capabilities": ["router_hint"],

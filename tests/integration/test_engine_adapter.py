@@ -9,7 +9,6 @@ telemetry through ``stats_factory`` and ``get_stats``.
 from __future__ import annotations
 
 import hashlib
-import socket
 import time
 import zlib
 
@@ -29,6 +28,7 @@ from kvcr.config import KVCRBackendConfigs, KVCRConfig, LocalDramOptions
 from kvcr.control_channels import ZmqPeerControlChannel
 from kvcr.telemetry import InMemoryStats
 from kvcr.types import BlockKey, CacheTier, InventoryEvent, MemoryRef, QueryStatus, RegionDescriptor
+from procs import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -57,10 +57,7 @@ class Adapter:
         self.keys = HashKeys()
         config = KVCRConfig("vllm-worker-0", [("", BLOCK)], enable_telemetry=True)
         # The peer control channel, as vLLM's adapter creates it (an ephemeral port here).
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        self.channel = ZmqPeerControlChannel("127.0.0.1", port, "127.0.0.1")
+        self.channel = ZmqPeerControlChannel("127.0.0.1", free_port(), "127.0.0.1")
         bindings = KVCRBindings(
             request_pin=lambda keys: 0,
             poll_pin_results=lambda: [],

@@ -16,9 +16,9 @@ import uuid
 
 import pytest
 from tiny_model import BLOCK_BYTES
-from vllm_harness import SHM, free_port, kvcr_tier, port_is_free
+from vllm_harness import SHM, kvcr_tier, port_is_free
 
-from procs import GuardProcess
+from procs import GuardProcess, free_port
 
 pytestmark = pytest.mark.vllm
 

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 from tiny_model import BLOCK_BYTES, BLOCK_TOKENS
-from vllm_harness import BLOCKS, BYTES, TIER_READ, counter, free_port, kvcr_tier, prompt
+from vllm_harness import BLOCKS, BYTES, TIER_READ, counter, kvcr_tier, prompt
+
+from procs import free_port
 
 pytestmark = pytest.mark.vllm
 

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 
 import pytest
 from tiny_model import BLOCK_BYTES, BLOCK_TOKENS
-from vllm_harness import BLOCKS, SHM, counter, free_port, kvcr_tier, prompt
+from vllm_harness import BLOCKS, SHM, counter, kvcr_tier, prompt
 
-from procs import GuardProcess, wait_until
+from procs import GuardProcess, free_port, wait_until
 
 pytestmark = pytest.mark.vllm
 

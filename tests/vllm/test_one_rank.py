@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 from tiny_model import BLOCK_BYTES, BLOCK_TOKENS
-from vllm_harness import BLOCKS, BYTES, TIER_READ, TIER_WRITE, counter, free_port, kvcr_tier, prompt
+from vllm_harness import BLOCKS, BYTES, TIER_READ, TIER_WRITE, counter, kvcr_tier, prompt
+
+from procs import free_port
 
 pytestmark = pytest.mark.vllm
 
