@@ -163,18 +163,7 @@ class Destination:
         op.remote.moved += succeeded
         self.telemetry.count(FUNNEL_PUBLISHED, succeeded)
         if pull is not None and succeeded < len(pull.keys):
-            # One event per partial pull, with the funnel as this side saw it; the source's
-            # own stages are in its log under the same xfer (pull_written or
-            # source_write_failed: resident, held, keys submitted).
-            self.log.info(
-                "pull_partial",
-                op=op.handle,
-                xfer=self._xfer(pull),
-                planned=len(pull.keys),
-                completed=len(pull.written),
-                published=succeeded,
-                reason=pull.reason or None,
-            )
+            self._partial(op, pull, succeeded, pull.reason or None)
         if succeeded < len(answers):
             missing = len(answers) - succeeded
             op.failure = op.failure or f"{op.kind}: the source lacked {missing} of the keys"
@@ -229,6 +218,7 @@ class Destination:
             finally:
                 if not pull.done.is_set():
                     self._abandon(pull)
+                    self._partial(op, pull, 0, "the destination gave up waiting for it")
             # A pull turned away unread (by a restarted source's new incarnation, or by a
             # source that had no greeting from us) was never acted on: asking again, after
             # greeting the endpoint again, is safe (once).
@@ -284,6 +274,20 @@ class Destination:
         )
         self.plane.wake()
         return pull
+
+    def _partial(self, op: Operation, pull: RemotePull, published: int, reason: str | None) -> None:
+        """One event per partial pull, with the funnel as this side saw it; the source's own
+        stages are in its log under the same xfer (pull_written or source_write_failed:
+        resident, held, keys submitted)."""
+        self.log.info(
+            "pull_partial",
+            op=op.handle,
+            xfer=self._xfer(pull),
+            planned=len(pull.keys),
+            completed=len(pull.written),
+            published=published,
+            reason=reason,
+        )
 
     def _xfer(self, pull: RemotePull) -> str:
         return m.xfer_id(self.plane.incarnation, pull.req)

@@ -1,0 +1,84 @@
+"""The block funnel of a peer pull on two real worker processes: each reduction provoked
+(a key the source lacks, a key its engine cannot pin, a destination that gives up while the
+source waits on its engine), each side's ``kvcr_transfer_blocks`` stages counted, and the
+destination's one ``pull_partial`` event joined to the source's log by its transfer id."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import pytest
+
+from procs import SourceWorker
+from soak import BLOCK
+
+pytestmark = pytest.mark.integration
+
+SIZES = (BLOCK, 16, 64)
+STAGES = ("peer_planned", "peer_resident", "peer_held", "peer_submitted")
+STAGES += ("peer_completed", "peer_published")
+
+
+@pytest.fixture
+def pair(tmp_path) -> Iterator[tuple[SourceWorker, SourceWorker, dict]]:
+    env = {"KVCR_LOG_LEVEL": "DEBUG"}
+    logs = {name: tmp_path / f"{name}.log" for name in ("source", "destination")}
+    source = SourceWorker("src", SIZES, env=env, log=logs["source"])
+    destination = SourceWorker("dst", SIZES, env=env, log=logs["destination"])
+    try:
+        yield source, destination, logs
+    finally:
+        source.stop()
+        destination.stop()
+
+
+def funnel(worker: SourceWorker) -> dict[str, float]:
+    counters = worker("counters")
+    return {stage: counters.get(f"kvcr_transfer_blocks{{{stage}}}", 0) for stage in STAGES}
+
+
+def field(line: str, name: str) -> str:
+    found = re.search(rf" {name}=('[^']*'|\S+)", line)
+    assert found, (name, line)
+    return found.group(1).strip("'")
+
+
+def test_a_lacked_key_and_an_unpinnable_one_show_where_the_blocks_went(pair) -> None:
+    source, destination, logs = pair
+    assert set(source("soak_deposit", [1, 2], False).values()) == {"SUCCESS"}  # in G2
+    source("engine_has", [(3, 20, 3)])  # only its engine holds 3; nobody holds 4
+    result = destination("soak_deliver", [1, 2, 3, 4], source.endpoint)
+    statuses = {k: s for k, (s, _) in result["entries"].items()}
+    assert statuses == {1: "SUCCESS", 2: "SUCCESS", 3: "SUCCESS", 4: "FAILED"}
+    mine, theirs = funnel(destination), funnel(source)
+    assert (mine["peer_planned"], mine["peer_completed"], mine["peer_published"]) == (4, 3, 3)
+    # The source found 2 in G2 and its engine pinned 1 of the 2 it was asked for.
+    assert (theirs["peer_resident"], theirs["peer_held"], theirs["peer_submitted"]) == (3, 3, 3)
+    [partial] = [
+        ln for ln in logs["destination"].read_text().splitlines() if " pull_partial " in ln
+    ]
+    assert [field(partial, k) for k in ("planned", "completed", "published")] == ["4", "3", "3"]
+    xfer = field(partial, "xfer")
+    [written] = [ln for ln in logs["source"].read_text().splitlines() if " pull_written " in ln]
+    assert field(written, "xfer") == xfer
+    assert [field(written, k) for k in ("resident", "held", "keys")] == ["3", "3", "3"]
+
+
+def test_a_destination_that_gives_up_publishes_nothing_and_says_so(pair) -> None:
+    source, destination, logs = pair
+    source("engine_has", [(7, 21, 7)])
+    source("hold_pins", True)  # the source's engine never answers the pin
+    try:
+        result = destination("soak_deliver", [7], source.endpoint)
+    finally:
+        source("hold_pins", False)
+    assert {k: s for k, (s, _) in result["entries"].items()} == {7: "FAILED"}
+    mine = funnel(destination)
+    assert (mine["peer_planned"], mine["peer_completed"], mine["peer_published"]) == (1, 0, 0)
+    [partial] = [
+        ln for ln in logs["destination"].read_text().splitlines() if " pull_partial " in ln
+    ]
+    assert [field(partial, k) for k in ("planned", "completed", "published")] == ["1", "0", "0"]
+    # Nothing was submitted at the source: its write never started.
+    assert funnel(source)["peer_submitted"] == 0
