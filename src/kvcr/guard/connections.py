@@ -225,8 +225,7 @@ class Connections:
                     f"claim of group {message.guard_index}: this connection is the link of "
                     f"group {link.index} lease {link.lease}; claim on a connection of its own",
                 )
-                self.tally.refusals[refusal.code] += 1
-                await self._refuse(conn, log, refusal, [])
+                await self._refuse_claim(conn, log, refusal)
                 return
             granted = await self._claim(conn, cred, log, message, fds)
             if granted is not None:
@@ -245,6 +244,11 @@ class Connections:
             await self._send(conn, wire.StatusReply(groups=self.status()))
         else:
             raise KVCRMsgFramingError(f"guard frame {message.TYPE!r}: not a request")
+
+    async def _refuse_claim(self, conn: Any, log: Any, refusal: Refusal) -> None:
+        """Refuse a claim: counted by its code for the metrics, then said."""
+        self.tally.refusals[refusal.code] += 1
+        await self._refuse(conn, log, refusal, [])
 
     async def _refuse(self, conn: Any, log: Any, refusal: Refusal, fds: list[int]) -> None:
         close_quietly(*fds)
@@ -281,16 +285,14 @@ class Connections:
                 f"{what}: a re-attach carries the pidfd, the group file and the control "
                 f"listener, got {len(fds)} descriptor(s)",
             )
-            self.tally.refusals[bad.code] += 1
-            await self._refuse(conn, log, bad, [])
+            await self._refuse_claim(conn, log, bad)
             return None
         try:
             try:
                 pidfd, cred = claimant_pidfd(conn, fds[:1])
             except ValueError as exc:
                 bad = Refusal("bad_request", f"{what}: {exc}")
-                self.tally.refusals[bad.code] += 1
-                await self._refuse(conn, log, bad, [])
+                await self._refuse_claim(conn, log, bad)
                 return None
             lease = None
             try:
@@ -304,8 +306,7 @@ class Connections:
                 else:
                     refusal = self.groups.check_claim(request, cred.pid)  # names the indices
                 if refusal is not None:
-                    self.tally.refusals[refusal.code] += 1
-                    await self._refuse(conn, log, refusal, [])
+                    await self._refuse_claim(conn, log, refusal)
             finally:
                 if pidfd >= 0:
                     close_quietly(pidfd)
