@@ -145,6 +145,7 @@ def main() -> None:
         "claims": lambda k: runtime.index.get(key(k)).claims,
         "query": lambda ks: [status.name for status, _ in kv.query([key(k) for k in ks])],
         "counters": soak.counters,
+        "durations": soak.durations,
         "gauges": lambda: dict(runtime.gauges()),
         "dropped": lambda: dict(runtime.plane.dropped),
         "callback_threads": lambda: (recorder.threads.calls, list(recorder.threads.wrong)),
@@ -202,6 +203,7 @@ class Soak:
         self.inventory: set[int] = set()  # LOCAL_G2 keys, replayed from inventory events
         self.requests = 0
         self.totals: dict[str, float] = {}  # counter "name{labels}" -> sum over intervals
+        self.samples: dict[str, list[float]] = {}  # duration "scope,result" -> samples
 
     def absorb(self) -> None:
         """Drain completions while idle, keeping only those somebody will ask for."""
@@ -209,15 +211,27 @@ class Soak:
             if handle in self.later:
                 self.engine.completed.setdefault(handle, {}).update(entries)
 
+    def _take_stats(self) -> None:
+        """Fold the current stats interval into the totals (get_stats starts a new one)."""
+        stats = self.kv.get_stats()
+        if stats is None:
+            return
+        assert isinstance(stats, InMemoryStats)
+        for (name, labels), value in stats.counters.items():
+            label = f"{name}{{{','.join(labels)}}}"
+            self.totals[label] = self.totals.get(label, 0) + value
+        for (_name, labels), values in stats.histograms.items():
+            self.samples.setdefault(",".join(labels), []).extend(values)
+
     def counters(self) -> dict[str, float]:
         """The instance's counters so far, summed over its stats intervals."""
-        stats = self.kv.get_stats()
-        if stats is not None:
-            assert isinstance(stats, InMemoryStats)
-            for (name, labels), value in stats.counters.items():
-                label = f"{name}{{{','.join(labels)}}}"
-                self.totals[label] = self.totals.get(label, 0) + value
+        self._take_stats()
         return dict(self.totals)
+
+    def durations(self) -> dict[str, list[float]]:
+        """Every kvcr_duration_seconds sample so far, by "scope,result"."""
+        self._take_stats()
+        return {label: list(values) for label, values in self.samples.items()}
 
     def deposit(self, keys: list[int], no_evict: bool) -> dict[int, str]:
         for i, k in enumerate(keys):

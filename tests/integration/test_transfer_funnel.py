@@ -1,7 +1,9 @@
 """The block funnel of a peer pull on two real worker processes: each reduction provoked
 (a key the source lacks, a key its engine cannot pin, a destination that gives up while the
-source waits on its engine), each side's ``kvcr_transfer_blocks`` stages counted, and the
-destination's one ``pull_partial`` event joined to the source's log by its transfer id."""
+source waits on its engine), each side's ``kvcr_transfer_blocks`` stages counted, the
+destination's one ``pull_partial`` event joined to the source's log by its transfer id, and
+each side's phase timers on the success and the failure path. A write that fails (the link
+cut mid-write) is in test_two_hosts.py."""
 
 from __future__ import annotations
 
@@ -38,6 +40,13 @@ def funnel(worker: SourceWorker) -> dict[str, float]:
     return {stage: counters.get(f"kvcr_transfer_blocks{{{stage}}}", 0) for stage in STAGES}
 
 
+def phases(worker: SourceWorker) -> dict[str, list[float]]:
+    """The worker's kvcr_duration_seconds samples so far, by "scope,result"."""
+    samples = worker("durations")
+    assert all(0 <= v < 60 for values in samples.values() for v in values), samples
+    return samples
+
+
 def field(line: str, name: str) -> str:
     found = re.search(rf" {name}=('[^']*'|\S+)", line)
     assert found, (name, line)
@@ -63,6 +72,24 @@ def test_a_lacked_key_and_an_unpinnable_one_show_where_the_blocks_went(pair) -> 
     [written] = [ln for ln in logs["source"].read_text().splitlines() if " pull_written " in ln]
     assert field(written, "xfer") == xfer
     assert [field(written, k) for k in ("resident", "held", "keys")] == ["3", "3", "3"]
+    # Every phase of the pull, each on the side that lives it, on that side's own clock.
+    mine, theirs = phases(destination), phases(source)
+    assert {
+        "peer_setup,success",  # the first contact (destination)
+        "hint_age,partial",  # the router's hint, submitted -> used
+        "control_hello_ack,success",
+        "control_written,success",  # the notification's handling
+        "notification,success",  # the source's completion -> the destination has the word
+        "remote_deliver,partial",  # the whole operation
+    } <= set(mine)
+    assert {
+        "control_hello,success",
+        "control_pull,success",
+        "framework_pin_wait,success",  # the engine pinned key 3 (and had no key 4)
+        "transfer_post,success",
+        "transfer,success",
+        "source_write,success",
+    } <= set(theirs)
 
 
 def test_a_destination_that_gives_up_publishes_nothing_and_says_so(pair) -> None:
@@ -82,3 +109,15 @@ def test_a_destination_that_gives_up_publishes_nothing_and_says_so(pair) -> None
     assert [field(partial, k) for k in ("planned", "completed", "published")] == ["1", "0", "0"]
     # Nothing was submitted at the source: its write never started.
     assert funnel(source)["peer_submitted"] == 0
+    # The failure path of the same phases: the destination waited its whole operation
+    # deadline for a word that never came; the source's pin wait was cut short by the
+    # destination's cancel, so its handling of the pull ended unwritten.
+    mine, theirs = phases(destination), phases(source)
+    assert {"hint_age,failed", "notification,failed", "remote_deliver,failed"} <= set(mine)
+    [waited] = mine["notification,failed"]
+    # From the pull's sending to the operation's deadline (worker_proc's: 2 s from the
+    # deliver, of which the first contact took a little).
+    assert 1.5 <= waited <= 2.0
+    assert {"control_pull,success", "control_probe,success"} <= set(theirs)
+    assert {"framework_pin_wait,failed", "source_write,failed"} <= set(theirs)
+    assert not any(label.startswith("transfer") for label in theirs)  # nothing was posted

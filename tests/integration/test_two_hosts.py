@@ -11,6 +11,7 @@ passes packets slowly or nearly never. Each test leaves the link up and both wor
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,8 +40,9 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def hosts(logs: Path) -> Iterator[TwoHosts]:
     with two_hosts() as made:
-        made.worker(made.a, "host-a", SIZES, log=logs / "a.log")
-        made.worker(made.b, "host-b", SIZES, log=logs / "b.log")
+        # INFO: the transfer's events on both hosts (pull_partial, joined on its xfer id).
+        made.worker(made.a, "host-a", SIZES, log=logs / "a.log", KVCR_LOG_LEVEL="INFO")
+        made.worker(made.b, "host-b", SIZES, log=logs / "b.log", KVCR_LOG_LEVEL="INFO")
         yield made
         # Every test leaves both quiet: they close with nothing in flight, and every engine
         # callback of their lives came on the engine's thread.
@@ -183,6 +185,16 @@ def warm(src: Any, dst: Any, keys: list[int]) -> int:
     raise AssertionError("the link did not carry a pull in 10 attempts")
 
 
+def signals(worker: Any) -> dict[str, float]:
+    """A worker's counters, and how many samples each duration ("scope,result") has."""
+    samples = worker("durations")
+    return worker("counters") | {label: len(values) for label, values in samples.items()}
+
+
+def grown(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+
 def _cut_mid_write(hosts: TwoHosts, way: Direction, fault: str) -> dict[str, Any]:
     """Start a slow 32 MiB pull, let 0.5 s of it pass, then apply ``fault``; the answers
     and timings of everything that follows, with the link healed at the end."""
@@ -192,6 +204,7 @@ def _cut_mid_write(hosts: TwoHosts, way: Direction, fault: str) -> dict[str, Any
     out: dict[str, Any] = {"keys": keys, "sums": sums, "warm_attempts": warm(src, dst, keys)}
     hosts.shape(way.src_host, SLOW)
     events_before = len(dst("events"))
+    before = signals(src), signals(dst)
     handle, request = dst("soak_deliver_start", keys, src.endpoint)
     time.sleep(0.5)
     started = time.monotonic()
@@ -205,6 +218,9 @@ def _cut_mid_write(hosts: TwoHosts, way: Direction, fault: str) -> dict[str, Any
     out["result"] = dst("soak_deliver_finish", handle, request, keys, 10, timeout=30)
     out["answered_s"] = time.monotonic() - started
     out["source_quiet_s"] = src("soak_quiet", 10, timeout=30) + (time.monotonic() - started)
+    out["source_grew"], out["destination_grew"] = (
+        grown(was, signals(worker)) for was, worker in zip(before, (src, dst), strict=True)
+    )
     if fault != "destination drops":
         # Nothing from the source gets through: the destination cannot know that the write
         # is over, so its memory stays held until the source's word arrives.
@@ -247,11 +263,37 @@ def test_a_fault_mid_write_ends_every_operation_truthfully_and_the_link_heals(
     else:
         assert cut["events_down"] == [(handle, "uncertain")]
         assert cut["events"] == held
+        _the_failed_write_shows_in_the_funnel_and_both_logs(way, cut)
 
     # Without a restart, the next pull over the healed link moves every byte.
     again = way.dst("soak_deliver", cut["keys"], way.src.endpoint, timeout=30)
     assert statuses(again) == dict.fromkeys(cut["keys"], "SUCCESS")
     assert {k: crc for k, (_, crc) in again["entries"].items()} == cut["sums"]
+
+
+def _the_failed_write_shows_in_the_funnel_and_both_logs(way: Direction, cut: dict) -> None:
+    """The source's write failed (UCX's TCP user timeout): its funnel got as far as
+    submitted, the destination's planned and published nothing; both sides' timers say
+    ``failed``; the destination's pull_partial and the source's source_write_failed carry
+    one transfer id."""
+    count = len(cut["keys"])
+    src, dst = cut["source_grew"], cut["destination_grew"]
+    stages = ("peer_resident", "peer_held", "peer_submitted")
+    assert [src.get(f"kvcr_transfer_blocks{{{s}}}") for s in stages] == [count] * 3
+    assert dst.get("kvcr_transfer_blocks{peer_planned}") == count
+    assert "kvcr_transfer_blocks{peer_completed}" not in dst
+    assert "kvcr_transfer_blocks{peer_published}" not in dst
+    assert (src.get("transfer,failed"), src.get("source_write,failed")) == (1, 1)
+    assert (dst.get("notification,failed"), dst.get("remote_deliver,failed")) == (1, 1)
+    partial = [ln for ln in way.logs[1].read_text().splitlines() if " pull_partial " in ln][-1]
+    xfer = re.search(r" xfer='?([0-9a-f]{16}\.\d+)", partial)
+    assert xfer is not None and f" planned={count} completed=0 published=0" in partial
+    [failed] = [
+        ln
+        for ln in way.logs[0].read_text().splitlines()
+        if " source_write_failed " in ln and xfer.group(1) in ln
+    ]
+    assert f" keys={count} " in failed
 
 
 def test_a_link_back_within_the_user_timeout_lets_the_write_finish_late(hosts, b, tmp_path) -> None:

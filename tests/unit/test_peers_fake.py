@@ -482,6 +482,7 @@ async def test_telemetry_counts_agree_on_both_sides_of_a_pull(autojump_clock):
     assert len(src.histograms[(DURATION_METRIC, ("control_hello", "success"))]) >= 1
     assert len(dst.histograms[(DURATION_METRIC, ("control_hello_ack", "success"))]) >= 1
     assert len(dst.histograms[(DURATION_METRIC, ("control_written", "success"))]) == 1
+    assert len(dst.histograms[(DURATION_METRIC, ("notification", "success"))]) == 1
     phases = [v for h in (src.histograms, dst.histograms) for vs in h.values() for v in vs]
     assert all(v >= 0 for v in phases)
 
@@ -660,3 +661,41 @@ async def test_a_failed_write_shows_in_every_phase_timer_and_the_funnel(autojump
     assert (partial["planned"], partial["completed"], partial["published"]) == (2, 0, 0)
     assert (failed["resident"], failed["held"], failed["keys"]) == (2, 2, 2)
     assert partial["xfer"] == failed["xfer"]  # one id on both sides
+
+
+@pytest.mark.parametrize("word", ["lost", "late"])
+async def test_a_notification_that_never_comes_is_timed_as_failed_and_bounded(autojump_clock, word):
+    """The source's word is lost on its way, or comes only after the destination gave up
+    (a write that takes 2 s): the destination's ``notification`` phase fails after the
+    operation's whole wait (its deadline, on its own clock), never more, and a late word
+    is no second sample; the funnel stops at submitted."""
+    from kvcr import DURATION_METRIC, TRANSFER_BLOCKS_METRIC
+    from kvcr.transport.fake import Behavior, Fault, FaultPlan
+
+    world = World()
+    world.fabric.plan = plan = FaultPlan()
+    a = Worker(world, "a", enable_telemetry=True)
+    b = Worker(world, "b", enable_telemetry=True)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(plan.run)
+        async with a.running(), b.running():
+            await share(a, b, [0])
+            if word == "lost":
+                plan.add("written", Fault("drop"))
+            else:
+                a.transport.script.append(Behavior(delay=2.0))
+            start = trio.current_time()
+            entries = await b.deliver([(0, 10)], request_id="r")
+            assert statuses(entries) == {key(0): "FAILED"}
+            assert trio.current_time() - start == pytest.approx(1.0, abs=0.01)
+            await trio.sleep(4.0)  # past the late word and the abandon deadline
+            b.kv.poll_completed()
+            assert b.events()[-1][1] == "quiesced"
+            dst, src = b.kv.get_stats(), a.kv.get_stats()
+        nursery.cancel_scope.cancel()
+
+    [waited] = dst.histograms[(DURATION_METRIC, ("notification", "failed"))]
+    assert 0.9 <= waited <= 1.01  # from the pull's sending to the deadline
+    assert (DURATION_METRIC, ("notification", "success")) not in dst.histograms
+    assert src.counters[(TRANSFER_BLOCKS_METRIC, ("peer_submitted",))] == 1
+    assert (TRANSFER_BLOCKS_METRIC, ("peer_completed",)) not in dst.counters

@@ -217,6 +217,7 @@ class Destination:
                 await pull.done.wait()
             finally:
                 if not pull.done.is_set():
+                    self._no_word(pull)
                     self._abandon(pull)
                     self._partial(op, pull, 0, "the destination gave up waiting for it")
             # A pull turned away unread (by a restarted source's new incarnation, or by a
@@ -272,6 +273,8 @@ class Destination:
                 op.remote.move,
             ),
         )
+        if self.telemetry.enabled:
+            pull.sent_at = trio.current_time()
         self.plane.wake()
         return pull
 
@@ -334,7 +337,9 @@ class Destination:
             return link.pulls.get(req) if link.incarnation == incarnation else None
         return link.pulls.get(req)
 
-    def on_written(self, sender: str, msg: m.Written) -> None:
+    def on_written(self, sender: str, msg: m.Written, since: float = 0.0) -> None:
+        """The source's notification of pull ``msg.req``; ``since`` is the earliest time
+        it can have reached this host unseen (the plane's previous poll of NIXL)."""
         pull = None
         for link in self.links.links.values():
             if link.agent == sender and link.incarnation == msg.incarnation:
@@ -350,7 +355,21 @@ class Destination:
             indices = []
         if self._debug():
             self.log.debug("pull_arrived", xfer=self._xfer(pull), keys=len(indices))
+        waiting = pull.state is PullState.SENT  # not given up: its wait is timed here
         pull.finish(PullEvent.WRITTEN, indices, pull.reason)
+        if pull.sent_at and waiting:
+            # The source's completion -> this side has the word, on this host's clock: the
+            # word cannot have waited longer than since the previous poll, nor arrived
+            # before the pull left; its handling (the pull's finish) is included.
+            waited = trio.current_time() - max(since, pull.sent_at)
+            self.telemetry.record("notification", max(waited, 0.0), "success")
+
+    def _no_word(self, pull: RemotePull) -> None:
+        """The operation stopped waiting for ``pull`` before any word came: the notification
+        phase failed after the whole wait (bounded by the operation's deadline)."""
+        if pull.sent_at:
+            waited = trio.current_time() - pull.sent_at
+            self.telemetry.record("notification", max(waited, 0.0), "failed")
 
     def on_over(self, msg: m.Over) -> None:
         link = self.links.get(msg.sender)

@@ -209,6 +209,7 @@ class RemotePull:
     reason: str = ""
     on_over: list[Callable[[], None]] = attrs.field(factory=list)
     due: float = 0.0  # when its data should have landed (trio time)
+    sent_at: float = 0.0  # when it was sent (trio time), for the notification timer; 0: untimed
 
     def move(self, event: PullEvent) -> PullState:
         self.state = PULL.move(self.state, event, f"req {self.req} to {self.link.endpoint}")

@@ -33,7 +33,9 @@ class Sides:
     """What the plane's loops need of the two sides of a pull."""
 
     handlers: dict[type[m.Message], Callable[[Any], None]]  # each takes its own type
-    on_written: Callable[[str, m.Written], None]  # a NIXL notification, by sender agent
+    # A NIXL notification, by sender agent, with the earliest (trio) time it can have
+    # reached this host unseen (0.0 when untimed): the ``notification`` timer's start.
+    on_written: Callable[[str, m.Written, float], None]
     busy: Callable[[], bool]  # pulls in flight or a source write running: poll NIXL often
     connected: Callable[[], bool]  # peers known: NIXL needs progress now and then
     due: Callable[[], float]  # when the latest pull's data should have landed (trio time)
@@ -61,6 +63,9 @@ class Plane:
         self.nursery: trio.Nursery | None = None  # where handlers start tasks (run)
         self.busy = trio.Event()  # set to make the progress loop poll NIXL now
         self.sides: Sides | None = None  # what the loops feed, once they run
+        # When the progress loop last asked NIXL for notifications (trio time; timed only):
+        # a word that came since waited at most from then (nothing else reads them).
+        self._polled = 0.0
 
     def wake(self) -> None:
         self.busy.set()
@@ -191,18 +196,21 @@ class Plane:
             timer.close()
 
     def _poll_notifications(self, sides: Sides) -> None:
+        timed, since = self._timed(), 0.0
+        if timed:
+            since, self._polled = self._polled, trio.current_time()
         try:
             notes = self.transport.notifications()
         except Exception as exc:
             self.log.error("nixl_notifications_failed", error=repr(exc))
             return
-        arrived = time.perf_counter() if notes and self._timed() else 0.0
+        arrived = time.perf_counter() if notes and timed else 0.0
         for sender, raw in notes:
             message = self.open(raw, "bad_notification")
             if message is None:
                 continue
             if isinstance(message, m.Written):
-                sides.on_written(sender, message)
+                sides.on_written(sender, message, since)
                 if arrived and self.telemetry is not None:
                     seconds = time.perf_counter() - arrived
                     self.telemetry.record("control_written", seconds, "success")

@@ -274,12 +274,15 @@ class Source:
             return
         pin_started = trio.current_time()
         what = f"source write {job.transfer_id} to {job.agent}"
-        pin = await self.pins.pin([keys[i] for i in missing], what)
-        self.telemetry.record(
-            "framework_pin_wait",
-            trio.current_time() - pin_started,
-            "success" if pin is not None else "failed",
-        )
+        pin = None
+        try:
+            pin = await self.pins.pin([keys[i] for i in missing], what)
+        finally:  # a wait cut short (the destination's cancel, the deadline) failed too
+            self.telemetry.record(
+                "framework_pin_wait",
+                trio.current_time() - pin_started,
+                "success" if pin is not None else "failed",
+            )
         if pin is not None:
             job.pins.append(pin)
             for i in missing:
@@ -472,6 +475,8 @@ class Source:
         """The write is over (or never happened): release claims and pins, tell the
         destination when it will get no notification."""
         was_stalled = self.stalled
+        if job.write_clock is None:  # never posted: the pull's handling failed, unwritten
+            self.telemetry.record("source_write", trio.current_time() - job.clock.start, "failed")
         job.move(JobEvent.END)
         self._settled.set()
         for block in job.claims:
