@@ -4,7 +4,8 @@ real ZMQ control channel, driven by its parent over a socketpair.
 Run as ``python worker_proc.py FD NAME PORT BLOCK POOL_BLOCKS REGION_BLOCKS [SOCKET INDEX
 DIGEST]``; with the last three, the worker runs over a guard service's pool group. With
 ``KVCR_TEST_G3`` set (JSON: ``{"paths": [...], "capacity_bytes_per_file": N}``) it has a
-G3 tier on those files (POSIX backend), to which its full pool spills. The parent
+G3 tier on those files (POSIX backend), to which its full pool spills; with
+``KVCR_TEST_SPANS`` set, OpenTelemetry spans go to memory (``spans``). The parent
 sends pickled ``(command, *args)`` tuples and gets one reply each (an exception comes back
 as ``("error", text)``). The worker's engine serves pins from its own region
 (``engine_has``) and can hold pin answers back, like a busy engine; between commands it polls
@@ -45,6 +46,41 @@ from kvcr.types import CacheTier
 from peer_world import EnginePins, IntKeys, key
 
 STEP_S = 0.002  # the engine's scheduler cadence while the parent sends no command
+
+
+def configure_spans() -> Any:
+    """With ``KVCR_TEST_SPANS`` set: the process's global OpenTelemetry tracer provider,
+    configured before kvcr starts as an engine configures its own, exporting to memory;
+    the exporter, or None."""
+    if not os.environ.get("KVCR_TEST_SPANS"):
+        return None
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    return exporter
+
+
+def finished_spans(exporter: Any) -> list[dict[str, Any]]:
+    """The spans ended so far: name, attributes, parent's name, status, times (ns)."""
+    spans = exporter.get_finished_spans() if exporter is not None else ()
+    names = {s.context.span_id: s.name for s in spans}
+    return [
+        {
+            "name": s.name,
+            "attributes": dict(s.attributes or {}),
+            "parent": names.get(s.parent.span_id) if s.parent is not None else None,
+            "ok": s.status.is_ok,
+            "start": s.start_time,
+            "end": s.end_time,
+        }
+        for s in spans
+    ]
 
 
 def main() -> None:
@@ -91,6 +127,7 @@ def main() -> None:
             capacity_bytes_per_file=g3["capacity_bytes_per_file"],
         ),
     )
+    spans = configure_spans()
     opened = open_kvcr(engine.config, bindings, backends, guard)
     kv, runtime = opened.kv, opened.runtime
 
@@ -146,6 +183,7 @@ def main() -> None:
         "query": lambda ks: [status.name for status, _ in kv.query([key(k) for k in ks])],
         "counters": soak.counters,
         "durations": soak.durations,
+        "spans": lambda: finished_spans(spans),
         "gauges": lambda: dict(runtime.gauges()),
         "dropped": lambda: dict(runtime.plane.dropped),
         "callback_threads": lambda: (recorder.threads.calls, list(recorder.threads.wrong)),

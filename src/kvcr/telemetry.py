@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvcr.engine_protocols import TelemetryStats
+from kvcr.tracing import Tracing
 
 DURATION_METRIC = "kvcr_duration_seconds"
 TRANSFER_BYTES_METRIC = "kvcr_transfer_bytes"
@@ -79,7 +80,11 @@ class Telemetry:
         factory: Callable[[], TelemetryStats] | None,
         gauges: Callable[[], Mapping[str, Number]],
         log: Any = None,
+        tracing: Tracing | None = None,
     ) -> None:
+        """``tracing``: spans for ended operations, where the process has OpenTelemetry
+        (``tracing.py``); None otherwise, and always when telemetry is off."""
+        self.tracing = tracing
         self._factory = factory
         self._gauges = gauges
         self._log = log

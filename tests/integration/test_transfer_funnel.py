@@ -24,7 +24,7 @@ STAGES += ("peer_completed", "peer_published")
 
 @pytest.fixture
 def pair(tmp_path) -> Iterator[tuple[SourceWorker, SourceWorker, dict]]:
-    env = {"KVCR_LOG_LEVEL": "DEBUG"}
+    env = {"KVCR_LOG_LEVEL": "DEBUG", "KVCR_TEST_SPANS": "1"}
     logs = {name: tmp_path / f"{name}.log" for name in ("source", "destination")}
     source = SourceWorker("src", SIZES, env=env, log=logs["source"])
     destination = SourceWorker("dst", SIZES, env=env, log=logs["destination"])
@@ -90,6 +90,18 @@ def test_a_lacked_key_and_an_unpinnable_one_show_where_the_blocks_went(pair) -> 
         "transfer,success",
         "source_write,success",
     } <= set(theirs)
+    # The same pull in OpenTelemetry, where the process has it: one span on each worker,
+    # joined by the transfer id, the phases as children.
+    [deliver] = [s for s in destination("spans") if s["name"] == "kvcr.deliver"]
+    [write] = [s for s in source("spans") if s["name"] == "kvcr.source_write"]
+    assert deliver["attributes"]["kvcr.xfer"] == write["attributes"]["kvcr.xfer"] == xfer
+    assert not deliver["ok"] and write["ok"]  # the deliver failed key 4; the write did not
+    assert {"pull", "notification"} <= {
+        s["name"] for s in destination("spans") if s["parent"] == "kvcr.deliver"
+    }
+    assert {"framework_pin_wait", "transfer_post", "transfer"} == {
+        s["name"] for s in source("spans") if s["parent"] == "kvcr.source_write"
+    }
 
 
 def test_a_destination_that_gives_up_publishes_nothing_and_says_so(pair) -> None:

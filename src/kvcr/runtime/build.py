@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
+import trio
 
 from kvcr.bindings import NOTIFIED, KVCRBindings
 from kvcr.config import FrameworkControl, KVCRBackendConfigs, KVCRConfig, for_instance
@@ -34,6 +35,7 @@ from kvcr.runtime.runtime import Runtime
 from kvcr.store.index import BlockIndex, Published
 from kvcr.store.slots import slot_pools
 from kvcr.telemetry import Telemetry
+from kvcr.tracing import Tracing
 from kvcr.transport.auth import cluster_key_from_env
 from kvcr.transport.base import Transport
 from kvcr.types import BlockKey, CacheTier
@@ -156,6 +158,7 @@ def build(
         bindings.stats_factory if bindings is not None and config.enable_telemetry else None,
         lambda: runtime.gauges() if runtime is not None else {},
         log,
+        Tracing.find(config.enable_telemetry, trio.current_time, log),
     )
     open_ops: dict[int, set[BlockKey]] = {}
     index, journal = g2_index(memory, policy, journal)

@@ -34,6 +34,7 @@ from kvcr.runtime.plane import Plane
 from kvcr.runtime.timer import FAST_WINDOW_S
 from kvcr.store.index import BlockIndex
 from kvcr.telemetry import FUNNEL_COMPLETED, FUNNEL_PLANNED, FUNNEL_PUBLISHED, Telemetry
+from kvcr.tracing import Phase
 from kvcr.transport import messages as m
 from kvcr.transport.base import TransportError
 from kvcr.types import BlockKey, BlockMeta, CacheTier, OpEntryResult, PlacementAction
@@ -220,6 +221,8 @@ class Destination:
                     self._no_word(pull)
                     self._abandon(pull)
                     self._partial(op, pull, 0, "the destination gave up waiting for it")
+                if op.phases is not None:
+                    self._phases(op.phases, pull)
             # A pull turned away unread (by a restarted source's new incarnation, or by a
             # source that had no greeting from us) was never acted on: asking again, after
             # greeting the endpoint again, is safe (once).
@@ -248,7 +251,10 @@ class Destination:
             raise TransportError(
                 f"{op.kind} op {op.handle}: the control channel has no endpoint to be answered at"
             )
+        began = trio.current_time()
         link = await self.links.ready(op, endpoint)
+        if op.phases is not None and trio.current_time() > began:  # a link set up for it
+            op.phases.append(("peer_setup", began, trio.current_time(), None))
         pull = RemotePull(next(self._reqs), link, link.incarnation, keys)
         nbytes = sum(n for _, n in dst)
         pull.due = trio.current_time() + nbytes / EXPECTED_BYTES_PER_S + FAST_WINDOW_S
@@ -361,8 +367,21 @@ class Destination:
             # The source's completion -> this side has the word, on this host's clock: the
             # word cannot have waited longer than since the previous poll, nor arrived
             # before the pull left; its handling (the pull's finish) is included.
-            waited = trio.current_time() - max(since, pull.sent_at)
-            self.telemetry.record("notification", max(waited, 0.0), "success")
+            start, now = max(since, pull.sent_at), trio.current_time()
+            self.telemetry.record("notification", max(now - start, 0.0), "success")
+            pull.notified = (min(start, now), now)
+
+    def _phases(self, phases: list[Phase], pull: RemotePull) -> None:
+        """A pull's child spans of its operation's span: the pull, sending to its end
+        here (its transfer id names the source's span of it), and the notification."""
+        attributes: dict[str, str | int] = {
+            "kvcr.xfer": self._xfer(pull),
+            "kvcr.keys": len(pull.keys),
+            "kvcr.written": len(pull.written),
+        }
+        phases.append(("pull", pull.sent_at, trio.current_time(), attributes))
+        if pull.notified is not None:
+            phases.append(("notification", *pull.notified, None))
 
     def _no_word(self, pull: RemotePull) -> None:
         """The operation stopped waiting for ``pull`` before any word came: the notification

@@ -67,6 +67,7 @@ from kvcr.runtime.pins import Pin
 from kvcr.runtime.transfers import Xfer
 from kvcr.statetable import StrEnum, Table
 from kvcr.store.index import Block
+from kvcr.tracing import Phase
 from kvcr.transport import messages as m
 from kvcr.types import BlockKey
 
@@ -210,6 +211,7 @@ class RemotePull:
     on_over: list[Callable[[], None]] = attrs.field(factory=list)
     due: float = 0.0  # when its data should have landed (trio time)
     sent_at: float = 0.0  # when it was sent (trio time), for the notification timer; 0: untimed
+    notified: tuple[float, float] | None = None  # the notification phase (timed only)
 
     def move(self, event: PullEvent) -> PullState:
         self.state = PULL.move(self.state, event, f"req {self.req} to {self.link.endpoint}")
@@ -257,6 +259,8 @@ class SourceJob:
     # at its arrival, then held for the write (claimed, staged or pinned).
     found: int = 0
     held: int = 0
+    written: int = 0  # keys the write delivered
+    phases: list[Phase] | None = None  # child spans of its span (tracing on only)
 
     @property
     def keys(self) -> list[BlockKey]:

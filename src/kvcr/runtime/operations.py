@@ -98,6 +98,8 @@ class Operations:
         elif isinstance(command, Deliver):
             framework = Framework(destination_refs=self._refs_of(command))
         op = Operation(handle, kind, keys, pending, Deadlines.starting(now, self.config), framework)
+        if self.telemetry.tracing is not None:
+            op.phases = []
         body: Awaitable[None]
         if isinstance(command, Deposit):
             if self.tiers.local is None:

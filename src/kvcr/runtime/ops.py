@@ -27,6 +27,7 @@ from kvcr.runtime.transfers import Xfer
 from kvcr.statetable import StrEnum
 from kvcr.store.index import Block, Filling
 from kvcr.telemetry import SCOPE_LOCAL_DELIVER, SCOPE_LOCAL_FETCH, SCOPE_LOCAL_FILL
+from kvcr.tracing import Phase, Tracing
 from kvcr.types import BlockKey, MemoryRef, OpEntryResult, OpEntryStatus, OpResult, TransferError
 
 FAILED = OpEntryResult(OpEntryStatus.FAILED)
@@ -100,6 +101,7 @@ class Operation:
     ok: int = 0  # keys answered with success (each key is answered once)
     ok_remote: int = 0  # ... of them, keys the peer was asked for
     failure: str | None = None
+    phases: list[Phase] | None = None  # child spans (tracing on only: ``tracing.py``)
 
     @property
     def deadline(self) -> float:
@@ -253,6 +255,8 @@ def record(op: Operation, telemetry: Any, memory: Any, log: Any) -> None:
         )
         if op.remote.hint_age:  # measured only with telemetry on
             telemetry.operation("hint_age", op.remote.hint_age, ok, len(remote_keys), 0, 0)
+    if telemetry.tracing is not None:
+        _trace(op, telemetry.tracing)
     if op.failure and op.ok < len(op.keys):
         log.info(
             "op_failed",
@@ -262,3 +266,22 @@ def record(op: Operation, telemetry: Any, memory: Any, log: Any) -> None:
             reason=op.failure,
             **({"xfer": op.remote.xfer} if op.remote.xfer is not None else {}),
         )
+
+
+def _trace(op: Operation, tracing: Tracing) -> None:
+    """The operation's span (``kvcr.deposit``, ``kvcr.deliver``, ``kvcr.fetch``): its
+    counts, its last pull's transfer id, and its phases as children."""
+    attributes: dict[str, str | int] = {
+        "kvcr.op": op.handle,
+        "kvcr.keys": len(op.keys),
+        "kvcr.succeeded": op.ok,
+    }
+    if op.remote.keys:
+        attributes["kvcr.remote_keys"] = len(op.remote.keys)
+        attributes["kvcr.remote_succeeded"] = op.ok_remote
+        if op.remote.hint_age:
+            attributes["kvcr.hint_age_us"] = int(op.remote.hint_age * 1e6)
+    if op.remote.xfer is not None:
+        attributes["kvcr.xfer"] = op.remote.xfer
+    error = (op.failure or "failed") if op.ok < len(op.keys) else None
+    tracing.emit(f"kvcr.{op.kind.value}", op.asked, attributes, op.phases or (), error)

@@ -24,7 +24,6 @@ memory is ``uncertain``
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -51,10 +50,11 @@ from kvcr.runtime.ops import Outbox
 from kvcr.runtime.pins import Pins
 from kvcr.runtime.plane import Plane
 from kvcr.runtime.seen_pulls import SeenPulls
+from kvcr.runtime.source_signals import SourceSignals
 from kvcr.runtime.staging import Staging
 from kvcr.runtime.transfers import WRITE_SETTLE_S, Transfers, Xfer
 from kvcr.store.index import BlockIndex
-from kvcr.telemetry import FUNNEL_HELD, FUNNEL_RESIDENT, FUNNEL_SUBMITTED, Telemetry
+from kvcr.telemetry import Telemetry
 from kvcr.transport import messages as m
 from kvcr.transport.base import Transport, TransportError
 from kvcr.types import TransferError
@@ -88,6 +88,7 @@ class Source:
         self.config = config
         self.outbox = outbox
         self.telemetry = telemetry
+        self.signals = SourceSignals(telemetry, log)
         self.op_ids = op_ids
         self.log = log
         self.agents_by_incarnation: dict[int, str] = {}  # destinations we have metadata of
@@ -198,6 +199,7 @@ class Source:
             return
         assert agent is not None  # no agent is a reason to refuse
         job = SourceJob(msg, agent, clock=Deadlines.starting(trio.current_time(), self.config))
+        self.signals.started(job)
         self.jobs[key] = job
         job.scope.deadline = job.clock.deadline
         try:
@@ -278,11 +280,8 @@ class Source:
         try:
             pin = await self.pins.pin([keys[i] for i in missing], what)
         finally:  # a wait cut short (the destination's cancel, the deadline) failed too
-            self.telemetry.record(
-                "framework_pin_wait",
-                trio.current_time() - pin_started,
-                "success" if pin is not None else "failed",
-            )
+            result = "success" if pin is not None else "failed"
+            self.signals.phase(job, "framework_pin_wait", pin_started, trio.current_time(), result)
         if pin is not None:
             job.pins.append(pin)
             for i in missing:
@@ -296,8 +295,7 @@ class Source:
         """Write every wanted key whose destination ranges fit, in one transfer."""
         msg = job.msg
         job.held = len(wanted)
-        self.telemetry.count(FUNNEL_RESIDENT, job.found + len(job.pinned_keys))
-        self.telemetry.count(FUNNEL_HELD, job.held)
+        self.signals.held(job)
         flat, pools, sizes = msg.ranges(), msg.pools, self.memory.block_sizes
         count = len(msg.keys)
         if len(wanted) == count and list(flat[1::2]) == sizes * count:
@@ -356,23 +354,8 @@ class Source:
         nbytes = sum(n for _, n in dst)
 
         def terminal(xfer: Xfer) -> None:
-            now = trio.current_time()
-            result = "success" if xfer.ok else "failed"
-            assert job.write_clock is not None
-            self.telemetry.record("transfer", now - job.write_clock.start, result)
-            moved = (len(dst), nbytes) if xfer.ok else (0, 0)
-            self.telemetry.record("source_write", now - job.clock.start, result, *moved)
+            self.signals.write_ended(job, trio.current_time(), xfer.ok, len(indices), nbytes)
             if xfer.ok:
-                if self.log.isEnabledFor(logging.DEBUG):
-                    self.log.debug(
-                        "pull_written",
-                        xfer=job.transfer_id,
-                        resident=job.found + len(job.pinned_keys),
-                        held=job.held,
-                        keys=len(indices),
-                        bytes=nbytes,
-                        seconds=round(now - job.clock.start, 6),
-                    )
                 self.written_blocks += len(indices)
                 if job.staged:
                     self.g3_blocks += sum(1 for i in indices if i in job.staged)
@@ -383,17 +366,17 @@ class Source:
                 self._write_failed(job, len(indices), f"the write failed: {xfer.error}")
 
         timed = self.telemetry.enabled
-        posting = time.perf_counter() if timed else 0.0
+        posting = trio.current_time() if timed else 0.0
         try:
             handle = self.transport.post_write(src, dst, job.agent, notif, what)
         except TransportError as exc:
             if timed:
-                self.telemetry.record("transfer_post", time.perf_counter() - posting, "failed")
+                self.signals.phase(job, "transfer_post", posting, trio.current_time(), "failed")
             self._write_failed(job, len(indices), f"the write could not be posted: {exc}")
             return
         if timed:
-            self.telemetry.record("transfer_post", time.perf_counter() - posting, "success")
-        self.telemetry.count(FUNNEL_SUBMITTED, len(indices))
+            self.signals.phase(job, "transfer_post", posting, trio.current_time(), "success")
+        self.signals.submitted(len(indices))
         job.move(JobEvent.POST)
         self._settled.set()
         job.write_clock = Deadlines.starting(trio.current_time(), self.config)
@@ -421,16 +404,7 @@ class Source:
 
     def _write_failed(self, job: SourceJob, keys: int, reason: str) -> None:
         """Say why in the log and to the destination (its op_failed names the reason)."""
-        self.log.warning(
-            "source_write_failed",
-            to=job.agent,
-            endpoint=job.msg.sender,
-            xfer=job.transfer_id,
-            resident=job.found + len(job.pinned_keys),
-            held=job.held,
-            keys=keys,
-            reason=reason,
-        )
+        self.signals.write_failed(job, keys, reason)
         self._end_job(job, reason)
 
     async def _watch_write(self, job: SourceJob) -> None:
@@ -475,8 +449,7 @@ class Source:
         """The write is over (or never happened): release claims and pins, tell the
         destination when it will get no notification."""
         was_stalled = self.stalled
-        if job.write_clock is None:  # never posted: the pull's handling failed, unwritten
-            self.telemetry.record("source_write", trio.current_time() - job.clock.start, "failed")
+        self.signals.ended(job, trio.current_time(), reason)
         job.move(JobEvent.END)
         self._settled.set()
         for block in job.claims:
