@@ -3,7 +3,7 @@
 source waits on its engine), each side's ``kvcr_transfer_blocks`` stages counted, the
 destination's one ``pull_partial`` event joined to the source's log by its transfer id, and
 each side's phase timers on the success and the failure path. A write that fails (the link
-cut mid-write) is in test_two_hosts.py."""
+cut mid-write), and a partial pull across two network namespaces, are in test_two_hosts.py."""
 
 from __future__ import annotations
 

@@ -149,6 +149,39 @@ def test_telemetry_counts_the_moves_on_both_hosts(a, b) -> None:
     assert grew["kvcr_transfer_bytes{remote_deliver}"] == 4 * BLOCK
 
 
+def signals(worker: Any) -> dict[str, float]:
+    """A worker's counters, and how many samples each duration ("scope,result") has."""
+    samples = worker("durations")
+    return worker("counters") | {label: len(values) for label, values in samples.items()}
+
+
+def grown(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+
+def test_the_funnel_splits_a_partial_pull_across_hosts(a, b, logs) -> None:
+    """Of four keys, the source holds two in its pool, its engine one, and nobody the
+    fourth: each side's stages say where the fourth went, and the destination's one
+    pull_partial names the pull."""
+    keys = fresh_keys(4)
+    deposited(a, keys[:2])
+    a("engine_has", [(keys[2], 16, keys[2])])
+    before = signals(a), signals(b)
+
+    result = b("soak_deliver", keys, a.endpoint, timeout=30)
+
+    assert statuses(result) == {**dict.fromkeys(keys[:3], "SUCCESS"), keys[3]: "FAILED"}
+    source, destination = (grown(was, signals(w)) for was, w in zip(before, (a, b), strict=True))
+    stages = ("peer_resident", "peer_held", "peer_submitted")
+    assert [source[f"kvcr_transfer_blocks{{{s}}}"] for s in stages] == [3, 3, 3]
+    stages = ("peer_planned", "peer_completed", "peer_published")
+    assert [destination[f"kvcr_transfer_blocks{{{s}}}"] for s in stages] == [4, 3, 3]
+    assert source["framework_pin_wait,success"] == source["transfer,success"] == 1
+    assert destination["notification,success"] == destination["remote_deliver,partial"] == 1
+    partial = [ln for ln in (logs / "b.log").read_text().splitlines() if " pull_partial " in ln]
+    assert " planned=4 completed=3 published=3" in partial[-1]
+
+
 @attrs.define
 class Direction:
     """Who pulls from whom: the source, the destination, and the hosts they run on."""
@@ -183,16 +216,6 @@ def warm(src: Any, dst: Any, keys: list[int]) -> int:
             return attempt
         time.sleep(1.0)
     raise AssertionError("the link did not carry a pull in 10 attempts")
-
-
-def signals(worker: Any) -> dict[str, float]:
-    """A worker's counters, and how many samples each duration ("scope,result") has."""
-    samples = worker("durations")
-    return worker("counters") | {label: len(values) for label, values in samples.items()}
-
-
-def grown(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
 
 
 def _cut_mid_write(hosts: TwoHosts, way: Direction, fault: str) -> dict[str, Any]:

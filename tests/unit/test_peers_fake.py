@@ -699,3 +699,81 @@ async def test_a_notification_that_never_comes_is_timed_as_failed_and_bounded(au
     assert (DURATION_METRIC, ("notification", "success")) not in dst.histograms
     assert src.counters[(TRANSFER_BLOCKS_METRIC, ("peer_submitted",))] == 1
     assert (TRANSFER_BLOCKS_METRIC, ("peer_completed",)) not in dst.counters
+
+
+async def test_bad_input_and_many_requests_leave_the_labels_bounded(autojump_clock):
+    """Unknown message types, garbage, answers about pulls nobody sent and twenty requests:
+    every label is one of the documented, fixed ones (no type, key, request or endpoint
+    becomes a label), every duration is finite and not negative, and the labels after
+    twenty pulls are those after one."""
+    import msgpack
+
+    from kvcr import DURATION_METRIC, TRANSFER_BLOCKS_METRIC, TRANSFER_BYTES_METRIC
+    from kvcr.telemetry import FUNNEL
+
+    known = set(FUNNEL) | {f"control_{t}" for t in m.TYPES} | {"notification", "hint_age"}
+    known |= {"local_fill", "remote_deliver", "source_write", "transfer", "transfer_post"}
+    known |= {"peer_setup", "framework_pin_wait"}
+    world = World()
+    a = Worker(world, "a", enable_telemetry=True)
+    b = Worker(world, "b", enable_telemetry=True)
+
+    def labels(*sides) -> set[tuple[str, ...]]:
+        return {k for side in sides for h in (side.histograms, side.counters) for k in h}
+
+    async with a.running(), b.running():
+        await share(a, b, [0])
+        sender = world.hub.channel("tcp://mallory:1")
+        for kind in ("nonsense", "pull2", "x" * 300):
+            sender.send(b.endpoint, msgpack.packb({"v": 1, "t": kind, "sender": "tcp://m:1"}))
+        sender.send(a.endpoint, b"\x00garbage")
+        sender.send(b.endpoint, m.encode(m.Over("tcp://mallory:1", 5, 77, "x")))
+        await b.deliver([(0, 10)], request_id="r")
+        await trio.sleep(0.01)
+        first = a.kv.get_stats(), b.kv.get_stats()
+        assert b.runtime.plane.dropped["bad_message"] == 3  # the unknown types, each dropped
+        seen = labels(*first)
+        for i in range(20):
+            b.kv.submit_hint(b.hint(a, [0]), request_id=f"req-{i}")
+            await b.deliver([(0, 11 + i % 4)], request_id=f"req-{i}")
+        await trio.sleep(0.01)
+        later = a.kv.get_stats(), b.kv.get_stats()
+
+    assert labels(*later) <= seen
+    for side in first + later:
+        for (name, (scope, *result)), values in side.histograms.items():
+            assert name == DURATION_METRIC and scope in known, scope
+            assert result[0] in ("success", "partial", "failed")
+            assert all(0 <= v < 10 for v in values)
+        for name, (scope,) in side.counters:
+            assert name in (TRANSFER_BLOCKS_METRIC, TRANSFER_BYTES_METRIC) and scope in known
+
+
+async def test_a_handler_that_fails_is_timed_as_failed_and_logged(autojump_clock, monkeypatch):
+    """A bug in one message's handler (injected: the source's Confirm handler raises) is
+    the failure path of ``control_<type>``: timed ``failed``, logged, and the instance goes
+    on serving."""
+    from kvcr import DURATION_METRIC
+    from kvcr.runtime.source import Source
+
+    def broken(self, msg):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(Source, "on_confirm", broken)
+    world = World()
+    a = Worker(world, "a", enable_telemetry=True)
+    b = Worker(world, "b", enable_telemetry=True)
+    async with a.running(), b.running():
+        await share(a, b, [0])
+        sender = world.hub.channel("tcp://mallory:1")
+        with capture_events() as events:
+            sender.send(a.endpoint, m.encode(m.Confirm("tcp://mallory:1", 5, 77, [0])))
+            await trio.sleep(0.01)
+            entries = await b.deliver([(0, 10)], request_id="r")
+        assert statuses(entries) == {key(0): "SUCCESS"}
+        src = a.kv.get_stats()
+
+    [failed] = [e for e in events if e["event"] == "peer_handler_failed"]
+    assert failed["type"] == "confirm" and "a bug" in failed["error"]
+    assert len(src.histograms[(DURATION_METRIC, ("control_confirm", "failed"))]) == 1
+    assert len(src.histograms[(DURATION_METRIC, ("control_pull", "success"))]) == 1
