@@ -192,6 +192,16 @@ class World:
         return out
 
 
+def telemetry_pair() -> tuple[World, Worker, Worker]:
+    """A world with a source ``a`` and a destination ``b``, both recording telemetry."""
+    world = World()
+    return (
+        world,
+        Worker(world, "a", enable_telemetry=True),
+        Worker(world, "b", enable_telemetry=True),
+    )
+
+
 async def share(source: Worker, dest: Worker, keys: list[int], request_id: str = "r") -> None:
     """``source`` computed and deposited ``keys`` (element k holds key k), the router sent
     ``dest`` a hint for them, and the link between the two is set up."""

@@ -14,7 +14,7 @@ import trio
 from kvcr.logs import capture_events
 from kvcr.transport import messages as m
 from kvcr.types import CacheTier, QueryStatus
-from peer_world import Worker, World, greet_and_lose, key, share
+from peer_world import Worker, World, greet_and_lose, key, share, telemetry_pair
 
 REMOTE = (QueryStatus.FETCHABLE, CacheTier.REMOTE_G2)
 HIT = (QueryStatus.HIT, CacheTier.LOCAL_G2)
@@ -438,9 +438,7 @@ async def test_telemetry_counts_agree_on_both_sides_of_a_pull(autojump_clock):
     from kvcr.logs import capture_events
     from kvcr.telemetry import FUNNEL
 
-    world = World()
-    a = Worker(world, "a", enable_telemetry=True)
-    b = Worker(world, "b", enable_telemetry=True)
+    _, a, b = telemetry_pair()
     async with a.running(), b.running():
         for i in range(3):
             a.engine.write(i, seed=i)
@@ -631,9 +629,7 @@ async def test_a_failed_write_shows_in_every_phase_timer_and_the_funnel(autojump
     from kvcr import DURATION_METRIC, TRANSFER_BLOCKS_METRIC
     from kvcr.transport.fake import Behavior
 
-    world = World()
-    a = Worker(world, "a", enable_telemetry=True)
-    b = Worker(world, "b", enable_telemetry=True)
+    _, a, b = telemetry_pair()
     async with a.running(), b.running():
         await share(a, b, [0, 1])
         a.transport.script.append(Behavior(delay=0.01, fail=True))
@@ -714,9 +710,7 @@ async def test_bad_input_and_many_requests_leave_the_labels_bounded(autojump_clo
     known = set(FUNNEL) | {f"control_{t}" for t in m.TYPES} | {"notification", "hint_age"}
     known |= {"local_fill", "remote_deliver", "source_write", "transfer", "transfer_post"}
     known |= {"peer_setup", "framework_pin_wait"}
-    world = World()
-    a = Worker(world, "a", enable_telemetry=True)
-    b = Worker(world, "b", enable_telemetry=True)
+    world, a, b = telemetry_pair()
 
     def labels(*sides) -> set[tuple[str, ...]]:
         return {k for side in sides for h in (side.histograms, side.counters) for k in h}
@@ -760,9 +754,7 @@ async def test_a_handler_that_fails_is_timed_as_failed_and_logged(autojump_clock
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(Source, "on_confirm", broken)
-    world = World()
-    a = Worker(world, "a", enable_telemetry=True)
-    b = Worker(world, "b", enable_telemetry=True)
+    world, a, b = telemetry_pair()
     async with a.running(), b.running():
         await share(a, b, [0])
         sender = world.hub.channel("tcp://mallory:1")

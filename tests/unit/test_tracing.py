@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from kvcr.logs import capture_events
 from kvcr.tracing import Tracing
-from peer_world import Worker, World, key, share
+from peer_world import key, share, telemetry_pair
 
 
 @pytest.fixture
@@ -69,9 +69,7 @@ def test_tracing_is_off_without_telemetry_without_the_package_or_when_said(
 async def test_one_pull_is_one_span_on_each_side_joined_by_its_transfer_id(
     autojump_clock: Any, spans: InMemorySpanExporter
 ) -> None:
-    world = World()
-    a = Worker(world, "a", enable_telemetry=True)
-    b = Worker(world, "b", enable_telemetry=True)
+    _, a, b = telemetry_pair()
     async with a.running(), b.running():
         await share(a, b, [0, 1])
         a.pins.engine_has = {key(2): 2}
@@ -107,9 +105,7 @@ async def test_a_failed_write_marks_both_spans_with_the_reason(
 ) -> None:
     from kvcr.transport.fake import Behavior
 
-    world = World()
-    a = Worker(world, "a", enable_telemetry=True)
-    b = Worker(world, "b", enable_telemetry=True)
+    _, a, b = telemetry_pair()
     async with a.running(), b.running():
         await share(a, b, [0])
         a.transport.script.append(Behavior(delay=0.01, fail=True))
@@ -135,9 +131,7 @@ async def test_a_tracer_that_fails_is_logged_once_and_breaks_nothing(
             raise RuntimeError("exporter down")
 
     monkeypatch.setattr(trace, "get_tracer", lambda *args: Broken())
-    world = World()
-    a = Worker(world, "a", enable_telemetry=True)
-    b = Worker(world, "b", enable_telemetry=True)
+    _, a, b = telemetry_pair()
     with capture_events() as events:
         async with a.running(), b.running():
             await share(a, b, [0, 1])

@@ -253,8 +253,9 @@ class Destination:
             )
         began = trio.current_time()
         link = await self.links.ready(op, endpoint)
-        if op.phases is not None and trio.current_time() > began:  # a link set up for it
-            op.phases.append(("peer_setup", began, trio.current_time(), None))
+        ready = trio.current_time()
+        if op.phases is not None and ready > began:  # a link was set up for it
+            op.phases.append(("peer_setup", began, ready, None))
         pull = RemotePull(next(self._reqs), link, link.incarnation, keys)
         nbytes = sum(n for _, n in dst)
         pull.due = trio.current_time() + nbytes / EXPECTED_BYTES_PER_S + FAST_WINDOW_S
