@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from procs import SourceWorker
-from soak import BLOCK
+from soak import BLOCK, OPERATION_TIMEOUT_S
 
 pytestmark = pytest.mark.integration
 
@@ -126,10 +126,13 @@ def test_a_destination_that_gives_up_publishes_nothing_and_says_so(pair) -> None
     # destination's cancel, so its handling of the pull ended unwritten.
     mine, theirs = phases(destination), phases(source)
     assert {"hint_age,failed", "notification,failed", "remote_deliver,failed"} <= set(mine)
-    [waited] = mine["notification,failed"]
-    # From the pull's sending to the operation's deadline (worker_proc's: 2 s from the
-    # deliver, of which the first contact took a little).
-    assert 1.5 <= waited <= 2.0
+    [waited], [whole] = mine["notification,failed"], mine["remote_deliver,failed"]
+    # The wait runs from the pull's sending to the moment the operation stopped waiting:
+    # at its deadline (worker_proc's: 2 s from the deliver) or a scheduler's step after it,
+    # so it is bounded by the whole operation, not by 2 s, and falls short of the deadline
+    # by the first contact at most (a few ms on loopback; 0.5 s is generous).
+    assert whole >= OPERATION_TIMEOUT_S
+    assert OPERATION_TIMEOUT_S - 0.5 <= waited <= whole
     assert {"control_pull,success", "control_probe,success"} <= set(theirs)
     assert {"framework_pin_wait,failed", "source_write,failed"} <= set(theirs)
     assert not any(label.startswith("transfer") for label in theirs)  # nothing was posted
