@@ -251,5 +251,6 @@ def test_a_batch_claiming_billions_of_empty_entries_is_decoded_at_once() -> None
     g2.update({b"": journal.Residency(journal.PUT_G2, (1,)), b"k": journal.Residency(1, (2,))})
     started = time.perf_counter()
     assert journal.apply_payload(g2, payload)
-    assert time.perf_counter() - started < 0.1
+    # Four billion turns take minutes; a second leaves room for a loaded machine's preemption.
+    assert time.perf_counter() - started < 1.0
     assert g2 == {b"k": journal.Residency(1, (2,))}
