@@ -28,8 +28,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def engines(tmp_path: Path, model_dir: Path) -> Iterator[Callable[..., Engine]]:
     """``engines(tier, **options)`` starts an :class:`Engine`; the teardown ends every
     engine the test started and checks that nothing of theirs is left: no process, and
-    in ``/dev/shm`` nothing new but vLLM's own offload-region files of these engines,
-    which vLLM cannot remove when it kills its worker (they are removed here)."""
+    in ``/dev/shm`` nothing new but vLLM's own offload-region files and multiprocessing
+    segments of these engines, which vLLM cannot remove when it kills its worker (they are
+    removed here)."""
     shm_before = set(SHM.iterdir())
     started: list[Engine] = []
 
@@ -42,10 +43,23 @@ def engines(tmp_path: Path, model_dir: Path) -> Iterator[Callable[..., Engine]]:
     for engine in started:
         engine.end()
     ours = {path for engine in started for path in engine.shm_files()}
+    # vLLM's multiprocessing shared memory (psm_*, up to 250 MB each) is its resource
+    # tracker's to remove, and the tracker died with the engine's process group: the new
+    # segments that no live process maps are the ended engines'.
+    ours |= unmapped({p for p in set(SHM.glob("psm_*")) - shm_before})
     for path in ours:
         path.unlink(missing_ok=True)
-    # vLLM's multiprocessing shared memory (psm_*) is its resource tracker's to remove.
-    left = sorted(
-        p.name for p in set(SHM.iterdir()) - shm_before - ours if not p.name.startswith("psm_")
-    )
+    left = sorted(p.name for p in set(SHM.iterdir()) - shm_before - ours)
     assert not left, f"files left in /dev/shm: {left}"
+
+
+def unmapped(paths: set[Path]) -> set[Path]:
+    """Those of ``paths`` that no process on this machine maps (another session's vLLM
+    may run beside this one)."""
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped.update(line.split(maxsplit=5)[-1] for line in maps.read_text().splitlines())
+        except (OSError, IndexError):  # a process that ended meanwhile, or is not ours
+            continue
+    return {path for path in paths if str(path) not in mapped}
